@@ -1,0 +1,1 @@
+"""Attention backends: one file each, all behind the interface in ``base``."""

@@ -1,0 +1,31 @@
+"""`chunklocal` command line: each subcommand lives in the module that does its job."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help).  Each module provides
+# add_arguments(parser) and main(args) -> int.
+_COMMANDS = {
+    "demo": ("chunklocal.demo", "run the reporter's 36000-token scenario end to end"),
+    "plan": ("chunklocal.sizing", "print buffer sizes for an engine configuration"),
+    "verify-bounds": ("chunklocal.verify_bounds",
+                      "check the closed-form bounds against brute force"),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="chunklocal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(args._module).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

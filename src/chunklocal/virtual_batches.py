@@ -1,0 +1,153 @@
+"""Cut requests at chunk boundaries into independent causal attention problems.
+
+Chunked local attention (Llama-4 "iRoPE") lets the query at absolute position
+``p`` see the keys ``k <= p`` with ``k // c == p // c``.  Kernels without a chunk
+mask get the same result if each request is cut into one *virtual batch* per
+chunk its queries touch: inside one chunk the mask is plain bottom-right aligned
+causal attention over the keys ``[chunk_start, min(chunk_end, s))``.
+
+Everything here is vectorised over requests and virtual batches (numpy), so the
+cost per step does not grow with a Python loop over the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from chunklocal._validate import as_int_array, check_chunk_geometry
+
+
+@dataclass(frozen=True)
+class VirtualBatches:
+    """The virtual batches of one step (all arrays numpy int32 unless said).
+
+    ``query_start_loc`` [M+1], ``seq_lens`` [M] (keys seen by each virtual batch),
+    ``block_table`` [M, chunk_size // block_size] (pages from ``kv_start // block_size``
+    on), ``kv_start`` [M] (absolute position of each virtual batch's first key),
+    ``request`` [M] (index of the original request), ``num_batches`` (M).
+    """
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    kv_start: np.ndarray
+    request: np.ndarray
+    num_batches: int
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+
+def validate_batch(query_start_loc, seq_lens, block_table, block_size: int):
+    """Check one step's batch description; return it as int64 numpy arrays.
+
+    Raises ValueError naming the offending request and value.  Nothing is
+    modified, so a rejected batch leaves every caller's state as it was.
+    """
+    qsl = as_int_array(query_start_loc, "query_start_loc", ndim=1)
+    seq = as_int_array(seq_lens, "seq_lens", ndim=1)
+    table = as_int_array(block_table, "block_table", ndim=2)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    num_reqs = seq.shape[0]
+    if qsl.shape[0] != num_reqs + 1:
+        raise ValueError(
+            f"query_start_loc has {qsl.shape[0]} entries but seq_lens has {num_reqs} "
+            f"requests; expected {num_reqs + 1} entries"
+        )
+    if table.shape[0] != num_reqs:
+        raise ValueError(
+            f"block_table has {table.shape[0]} rows but seq_lens has {num_reqs} requests"
+        )
+    if qsl.size and qsl[0] < 0:
+        raise ValueError(f"query_start_loc[0] must be >= 0, got {int(qsl[0])}")
+    query_lens = np.diff(qsl)
+    bad = np.flatnonzero(query_lens < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"query_start_loc decreases at request {i}: {int(qsl[i])} -> {int(qsl[i + 1])}"
+        )
+    bad = np.flatnonzero(seq < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"request {i}: seq_len {int(seq[i])} is negative")
+    bad = np.flatnonzero(query_lens > seq)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"request {i}: query length {int(query_lens[i])} exceeds seq_len {int(seq[i])}"
+        )
+    pages_needed = -(-seq // block_size)
+    bad = np.flatnonzero(pages_needed > table.shape[1])
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"request {i}: seq_len {int(seq[i])} needs {int(pages_needed[i])} pages of "
+            f"{block_size} tokens but block_table has only {table.shape[1]} columns"
+        )
+    return qsl, seq, table, query_lens
+
+
+def make_virtual_batches(
+    query_start_loc, seq_lens, block_table, chunk_size: int, block_size: int
+) -> VirtualBatches:
+    """Split a batch into chunk-aligned virtual batches.
+
+    Request ``i`` has query length ``q_i = query_start_loc[i+1] - query_start_loc[i]``
+    and total length ``s_i = seq_lens[i]``; its queries sit at positions
+    ``[s_i - q_i, s_i)``.  It yields one virtual batch per chunk those positions
+    touch, in request order then chunk order, so the virtual batches' queries
+    are the original query rows in their original order.  Requests with
+    ``q_i == 0`` (padding) yield none.
+
+    Equal to vLLM's ``make_local_attention_virtual_batches`` whenever all
+    ``q_i >= 1``.
+    """
+    check_chunk_geometry(chunk_size, block_size)
+    qsl, seq, table, query_lens = validate_batch(
+        query_start_loc, seq_lens, block_table, block_size
+    )
+    c = int(chunk_size)
+    context = seq - query_lens
+    active = query_lens > 0
+    first_chunk = context // c
+    last_chunk = np.where(active, (seq - 1) // c, first_chunk - 1)
+    per_request = (last_chunk - first_chunk + 1).astype(np.int64)
+
+    num_batches = int(per_request.sum())
+    request = np.repeat(np.arange(seq.shape[0], dtype=np.int64), per_request)
+    # Index of each virtual batch inside its request: position minus the
+    # request's first slot.
+    first_slot = np.cumsum(per_request) - per_request
+    local_index = np.arange(num_batches, dtype=np.int64) - first_slot[request]
+    chunk_start = (first_chunk[request] + local_index) * c
+    req_context = context[request]
+    req_seq = seq[request]
+    q_begin = np.maximum(chunk_start, req_context)
+    q_end = np.minimum(chunk_start + c, req_seq)
+
+    local_qsl = np.empty(num_batches + 1, dtype=np.int64)
+    local_qsl[0] = qsl[0] if qsl.size else 0
+    np.cumsum(q_end - q_begin, out=local_qsl[1:])
+    local_qsl[1:] += local_qsl[0]
+
+    pages_per_chunk = c // block_size
+    columns = chunk_start[:, None] // block_size + np.arange(pages_per_chunk)
+    np.minimum(columns, max(table.shape[1] - 1, 0), out=columns)
+    if table.shape[1] == 0:
+        local_table = np.zeros((num_batches, pages_per_chunk), dtype=np.int32)
+    else:
+        local_table = table[request[:, None], columns].astype(np.int32)
+
+    return VirtualBatches(
+        query_start_loc=local_qsl.astype(np.int32),
+        seq_lens=(q_end - chunk_start).astype(np.int32),
+        block_table=local_table,
+        kv_start=chunk_start.astype(np.int32),
+        request=request.astype(np.int32),
+        num_batches=num_batches,
+    )
