@@ -1,0 +1,140 @@
+"""`chunklocal plan`: how big each per-step metadata buffer must be.
+
+A kernel without a chunk mask sees one problem per *virtual batch*, so every
+buffer with one entry per request (FlashInfer's ``qo_indptr``,
+``paged_kv_indptr``, ``paged_kv_last_page_len``) needs one entry per virtual
+batch.  An engine that sizes them from ``max_num_seqs`` overflows as soon as a
+request spans more chunks than that (vLLM issue 49980).  This module compares,
+per buffer, that sizing, vLLM PR 50022's published bound and ours
+(:mod:`chunklocal.bounds`), and whether the ``max_num_seqs`` sizing overflows on a
+worst-case batch (one that needs our bound, which is attained when exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+from chunklocal import bounds
+from chunklocal._validate import cdiv, check_chunk_geometry
+
+# The reporter's configuration in vLLM issue 49980.
+REPORTER_CONFIG = dict(max_num_seqs=1, max_num_batched_tokens=36000, max_model_len=36000,
+                       chunk_size=8192, block_size=16)
+
+
+@dataclass(frozen=True)
+class BufferRow:
+    """Entries of one buffer under each sizing."""
+
+    buffer: str
+    max_num_seqs_sized: int
+    published: int
+    ours: int
+
+    @property
+    def overflows(self) -> bool:
+        """Whether the max_num_seqs sizing is too small for a worst-case batch."""
+        return self.max_num_seqs_sized < self.ours
+
+
+def virtual_batch_counts(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                         chunk_size: int) -> tuple[int, int]:
+    """(published bound, our bound) on the virtual batches of one step."""
+    published = bounds.published_virtual_batches_bound(max_num_seqs, max_num_batched_tokens,
+                                                       chunk_size)
+    ours = bounds.max_virtual_batches(max_num_seqs, max_num_batched_tokens, chunk_size,
+                                      max_model_len)
+    return published, ours
+
+
+def buffer_rows(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                chunk_size: int, block_size: int) -> list[BufferRow]:
+    """One row per FlashInfer metadata buffer of a chunked-local layer group.
+
+    The max_num_seqs sizing is what a request-count-sized engine allocates:
+    indptrs N + 1, last_page_len N, indices N * cdiv(max_model_len, block_size).
+    The published indices size follows PR 50022: pages <= V * cdiv(c, bs),
+    never below the old size (global layers may share the group).
+    """
+    for name, value in (("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_model_len", max_model_len)):
+        if int(value) <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    check_chunk_geometry(chunk_size, block_size)
+    n = max_num_seqs
+    published, ours = virtual_batch_counts(n, max_num_batched_tokens, max_model_len, chunk_size)
+    old_pages = n * cdiv(max_model_len, block_size)
+    published_pages = max(old_pages, published * cdiv(chunk_size, block_size))
+    our_pages = bounds.max_local_pages(n, max_num_batched_tokens, chunk_size, max_model_len,
+                                       block_size)
+    return [
+        BufferRow("qo_indptr", n + 1, published + 1, ours + 1),
+        BufferRow("paged_kv_indptr", n + 1, published + 1, ours + 1),
+        BufferRow("paged_kv_last_page_len", n, published, ours),
+        BufferRow("paged_kv_indices", old_pages, published_pages, our_pages),
+    ]
+
+
+def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, chunk_size: int,
+         block_size: int) -> dict:
+    """Everything `chunklocal plan` prints, as one JSON-ready dict."""
+    config = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                  max_model_len=max_model_len, chunk_size=chunk_size, block_size=block_size)
+    rows = buffer_rows(**config)
+    published, ours = virtual_batch_counts(max_num_seqs, max_num_batched_tokens, max_model_len,
+                                           chunk_size)
+    return dict(config=config,
+                virtual_batches=dict(max_num_seqs_sized=max_num_seqs, published=published,
+                                     ours=ours),
+                buffers=[dict(asdict(r), overflows=r.overflows) for r in rows])
+
+
+def format_plan(result: dict) -> str:
+    """The human-readable table of :func:`plan`."""
+    cfg, vb = result["config"], result["virtual_batches"]
+    lines = [
+        "config: " + " ".join(f"{k}={v}" for k, v in cfg.items()),
+        f"virtual batches per step: max_num_seqs sizing {vb['max_num_seqs_sized']}, "
+        f"published bound {vb['published']}, ours {vb['ours']}",
+        "",
+        f"{'buffer':<24}{'max_num_seqs':>14}{'published':>11}{'ours':>8}  max_num_seqs overflows?",
+    ]
+    for row in result["buffers"]:
+        lines.append(f"{row['buffer']:<24}{row['max_num_seqs_sized']:>14}{row['published']:>11}"
+                     f"{row['ours']:>8}  {'YES' if row['overflows'] else 'no'}")
+    return "\n".join(lines)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cfg = REPORTER_CONFIG
+    for flag, key, help_text in (
+        ("--max-num-seqs", "max_num_seqs", "requests per step (N)"),
+        ("--max-num-batched-tokens", "max_num_batched_tokens", "tokens per step (T)"),
+        ("--max-model-len", "max_model_len", "longest sequence (L)"),
+        ("--chunk-size", "chunk_size", "attention_chunk_size (c)"),
+        ("--block-size", "block_size", "tokens per KV page (bs)"),
+    ):
+        parser.add_argument(flag, type=_positive_int, default=cfg[key],
+                            help=f"{help_text}; default {cfg[key]} (the reporter's config)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def main(args) -> int:
+    try:
+        result = plan(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
+                      args.chunk_size, args.block_size)
+    except ValueError as err:
+        print(f"chunklocal plan: error: {err}")
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0
