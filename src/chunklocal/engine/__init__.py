@@ -1,0 +1,1 @@
+"""The serving engine: sequences, KV blocks, scheduling, model runner, LLM."""

@@ -1,0 +1,84 @@
+"""Paged KV pools, one per KV-cache group, each with its own free list.
+
+Hybrid mode has a global group (NoPE layers, keep every page) and a chunked
+group (RoPE layers).  A chunked group only ever reads the chunk of the step's
+first query, so before each allocation it frees the pages wholly before
+``(num_computed // c) * c``: a long request holds about ``c`` + in-flight tokens
+of local KV.  Merged mode has one group whose spec carries the chunk size but
+also global layers (``needs_global_pages``), so it keeps every page.
+
+Allocation is all-or-nothing across groups: :meth:`can_allocate` is checked
+first and :meth:`allocate` then cannot fail, so a request that has to wait or
+be preempted leaves every pool exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from chunklocal._validate import cdiv
+from chunklocal.engine.sequence import Sequence
+from chunklocal.kv_spec import chunk_size_of, needs_global_pages
+
+
+@dataclass
+class KVGroup:
+    spec: object
+    num_blocks: int
+
+    def __post_init__(self):
+        self.block_size = self.spec.block_size
+        #: Chunk size pages are freed by, or None when the group keeps all pages.
+        self.free_chunk = None if needs_global_pages(self.spec) else chunk_size_of(self.spec)
+        self.free_blocks = deque(range(self.num_blocks))
+        self.peak_used = 0
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def stale_pages(self, seq: Sequence, g: int) -> int:
+        """Pages of ``seq`` no future query of this group can read (freed next allocation)."""
+        if self.free_chunk is None:
+            return 0
+        chunk_start_page = (seq.num_computed // self.free_chunk) * self.free_chunk
+        chunk_start_page //= self.block_size
+        return max(0, min(chunk_start_page, len(seq.block_tables[g])) - seq.first_owned_page[g])
+
+    def new_pages(self, seq: Sequence, g: int, num_new: int) -> int:
+        return max(0, cdiv(seq.num_computed + num_new, self.block_size)
+                   - len(seq.block_tables[g]))
+
+
+class BlockManager:
+    def __init__(self, groups: list[KVGroup]):
+        self.groups = groups
+
+    def can_allocate(self, seq: Sequence, num_new: int) -> bool:
+        return all(grp.new_pages(seq, g, num_new)
+                   <= len(grp.free_blocks) + grp.stale_pages(seq, g)
+                   for g, grp in enumerate(self.groups))
+
+    def allocate(self, seq: Sequence, num_new: int) -> None:
+        """Give ``seq`` pages for positions up to ``num_computed + num_new``."""
+        if not self.can_allocate(seq, num_new):
+            raise RuntimeError(f"request {seq.seq_id}: allocate() without can_allocate()")
+        for g, grp in enumerate(self.groups):
+            table = seq.block_tables[g]
+            stale = grp.stale_pages(seq, g)
+            first = seq.first_owned_page[g]
+            for page in range(first, first + stale):
+                grp.free_blocks.append(table[page])
+                table[page] = 0  # placeholder: never read, see Sequence
+            seq.first_owned_page[g] = first + stale
+            for _ in range(grp.new_pages(seq, g, num_new)):
+                table.append(grp.free_blocks.popleft())
+            grp.peak_used = max(grp.peak_used, grp.num_used)
+
+    def free(self, seq: Sequence) -> None:
+        for g, grp in enumerate(self.groups):
+            table = seq.block_tables[g]
+            grp.free_blocks.extend(table[seq.first_owned_page[g]:])
+            seq.block_tables[g] = []
+            seq.first_owned_page[g] = 0

@@ -1,0 +1,228 @@
+"""``chunklocal.LLM``: serve a Llama-4 checkpoint directory with paged chunked-local KV."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from chunklocal import bounds
+from chunklocal._validate import cdiv, check_chunk_geometry
+from chunklocal.engine.block_manager import BlockManager, KVGroup
+from chunklocal.engine.model_runner import ModelRunner
+from chunklocal.engine.scheduler import Scheduler
+from chunklocal.engine.sequence import SamplingParams, Sequence
+from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
+from chunklocal.models.llama4 import CHUNKED, GLOBAL, load_llama4, load_text_config
+
+_CPU_KV_BYTES = 2 << 30  # default KV budget on the CPU when num_kv_blocks is None
+
+
+@dataclass
+class GenerateStats:
+    requests: int
+    prompt_tokens: int
+    new_tokens: int
+    steps: int
+    seconds: float
+    peak_virtual_batches: int
+    preemptions: int
+    peak_blocks: dict
+
+    def summary(self) -> str:
+        tps = (self.prompt_tokens + self.new_tokens) / max(self.seconds, 1e-9)
+        return (f"{self.requests} requests, {self.prompt_tokens} prompt + {self.new_tokens} new "
+                f"tokens in {self.seconds:.2f} s ({tps:.0f} tokens/s, "
+                f"{self.new_tokens / max(self.seconds, 1e-9):.1f} new tokens/s), {self.steps} "
+                f"steps, peak virtual batches per step {self.peak_virtual_batches}, "
+                f"preemptions {self.preemptions}, peak KV blocks {self.peak_blocks}")
+
+
+class LLM:
+    def __init__(self, model, *, device="cpu", dtype=None, max_num_seqs=256,
+                 max_num_batched_tokens=8192, max_model_len=None, block_size=16,
+                 num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
+                 hybrid_kv_cache=True, num_speculative_tokens=0, seed=0):
+        self.model_dir = Path(model)
+        config = load_text_config(self.model_dir)
+        self.config = config
+        self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", self.max_model_len)):
+            if int(value) <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        chunk = config.attention_chunk_size
+        if chunk is not None:
+            check_chunk_geometry(chunk, block_size)
+        self.device = torch.device(device)
+        self.max_num_seqs, self.block_size = int(max_num_seqs), int(block_size)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.num_speculative_tokens = int(num_speculative_tokens)
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+
+        self.model = load_llama4(self.model_dir, self.device, dtype)
+        kv_dtype = next(self.model.parameters()).dtype
+        kinds = {layer.self_attn.kind for layer in self.model.layers}
+        specs = {kind: self._spec(kind, kv_dtype) for kind in kinds}
+        groups, kind_to_group = self._make_groups(specs, hybrid_kv_cache, num_kv_blocks)
+        self.groups = groups
+        self.max_virtual_batches = (
+            bounds.max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
+                                       self.max_model_len) if chunk else self.max_num_seqs)
+        backends = {kind: self._backend(attention_backend, kind, groups[g])
+                    for kind, g in kind_to_group.items()}
+        self.block_manager = BlockManager(groups)
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
+                                   self.max_num_batched_tokens, self.max_model_len,
+                                   self.num_speculative_tokens)
+        self.runner = ModelRunner(self.model, groups, kind_to_group, backends, self.device,
+                                  kv_dtype, seed)
+        eos = config.eos_token_id
+        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self._tokenizer = None
+        self._next_id = 0
+        self.last_stats: GenerateStats | None = None
+
+    # -- construction -------------------------------------------------------------------------
+    def _spec(self, kind, kv_dtype):
+        c = self.config
+        geometry = (self.block_size, c.num_key_value_heads, c.head_dim, kv_dtype)
+        if kind == CHUNKED:
+            return ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=c.attention_chunk_size)
+        return FullAttentionSpec(*geometry)
+
+    def _make_groups(self, specs, hybrid, num_kv_blocks):
+        layers_of = {kind: sum(layer.self_attn.kind == kind for layer in self.model.layers)
+                     for kind in specs}
+        whole_seq = cdiv(self.max_model_len, self.block_size)
+        if num_kv_blocks is None:
+            per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
+            budget = _CPU_KV_BYTES
+            if self.device.type == "cuda":
+                budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.6)
+            num_kv_blocks = min(self.max_num_seqs * whole_seq, max(whole_seq, budget // per_block))
+        num_kv_blocks = int(num_kv_blocks)
+        chunk = self.config.attention_chunk_size
+        local_need = min(cdiv(chunk - 1 + self.max_num_batched_tokens, self.block_size),
+                         whole_seq) if chunk else whole_seq
+        if hybrid or len(specs) == 1:
+            names = sorted(specs)
+            groups = []
+            for kind in names:
+                need = local_need if specs[kind].attention_chunk_size else whole_seq
+                size = num_kv_blocks
+                if specs[kind].attention_chunk_size:
+                    size = min(num_kv_blocks, self.max_num_seqs * need)
+                groups.append((kind, specs[kind], size, need))
+            kind_to_group = {kind: i for i, kind in enumerate(names)}
+        else:
+            merged = merge([specs[CHUNKED], specs[GLOBAL]])
+            groups = [("merged", merged, num_kv_blocks, whole_seq)]
+            kind_to_group = {CHUNKED: 0, GLOBAL: 0}
+        for name, _, size, need in groups:
+            if size < need:
+                raise ValueError(
+                    f"num_kv_blocks={size} for the {name} KV group cannot hold one request: "
+                    f"max_model_len {self.max_model_len} needs {need} blocks of {self.block_size}")
+        return [KVGroup(spec, size) for _, spec, size, _ in groups], kind_to_group
+
+    def _backend(self, name, kind, group):
+        chunk = self.config.attention_chunk_size if kind == CHUNKED else None
+        if name == "auto":
+            name = "flashinfer" if self.device.type == "cuda" else "torch"
+        if name == "torch":
+            from chunklocal.backends.torch_ref import TorchRefBackend
+
+            return TorchRefBackend(chunk, self.block_size)
+        raise ValueError(f"unknown attention_backend {name!r} (expected 'auto' or 'torch')")
+
+    # -- requests -----------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        return self._tokenizer
+
+    def _check_prompts(self, prompts, max_new_tokens):
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a list of token-id lists or of strings")
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        as_text = bool(prompts) and all(isinstance(p, str) for p in prompts)
+        ids = [self.tokenizer(p)["input_ids"] for p in prompts] if as_text else prompts
+        vocab = self.config.vocab_size
+        checked = []
+        for i, prompt in enumerate(ids):
+            if isinstance(prompt, (str, bytes)):
+                raise ValueError(f"prompt {i}: mixes strings and token-id lists")
+            arr = np.asarray(prompt)
+            if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+                raise ValueError(f"prompt {i}: expected a flat list of int token ids")
+            if arr.size == 0:
+                raise ValueError(f"prompt {i} is empty")
+            bad = np.flatnonzero((arr < 0) | (arr >= vocab))
+            if bad.size:
+                raise ValueError(f"prompt {i}: token id {int(arr[bad[0]])} at index "
+                                 f"{int(bad[0])} is outside the vocabulary [0, {vocab})")
+            if arr.size + max_new_tokens > self.max_model_len:
+                raise ValueError(f"prompt {i}: {arr.size} tokens + max_new_tokens "
+                                 f"{max_new_tokens} exceed max_model_len {self.max_model_len}")
+            checked.append(arr.tolist())
+        return checked, as_text
+
+    def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
+                 ignore_eos: bool = False, use_tqdm: bool | None = None):
+        """New tokens per prompt (ids, or strings when the prompts are strings).
+
+        Every prompt is checked before any work starts; a bad one raises
+        ValueError naming its index and value.  ``use_tqdm=None`` shows the
+        progress bar and the summary line only for calls longer than 2 s.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        token_lists, as_text = self._check_prompts(prompts, max_new_tokens)
+        params = SamplingParams(max_new_tokens, float(temperature), bool(ignore_eos))
+        seqs = []
+        for ids in token_lists:
+            seqs.append(Sequence(self._next_id, ids, params, len(self.groups)))
+            self._next_id += 1
+        for seq in seqs:
+            self.scheduler.add(seq)
+        start, steps, peak_before = time.perf_counter(), 0, self.runner.peak_virtual_batches
+        self.runner.peak_virtual_batches = 0
+        preempt_before = self.scheduler.num_preemptions
+        bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=use_tqdm is False,
+                   delay=0.0 if use_tqdm else 2.0, file=sys.stderr)
+        while self.scheduler.has_work():
+            batch = self.scheduler.schedule()
+            temps = np.full(len(batch.seqs), params.temperature)
+            sampled = self.runner.run(batch, temps)
+            if self.runner.peak_virtual_batches > self.max_virtual_batches:
+                raise RuntimeError(f"{self.runner.peak_virtual_batches} virtual batches in one "
+                                   f"step exceed the bound {self.max_virtual_batches}")
+            bar.update(len(self.scheduler.postprocess(batch, sampled, self.eos_ids)))
+            steps += 1
+        shown = not bar.disable and (use_tqdm or time.perf_counter() - start > 2.0)
+        bar.close()
+        self.last_stats = GenerateStats(
+            len(seqs), sum(s.num_prompt_tokens for s in seqs),
+            sum(s.num_generated for s in seqs), steps, time.perf_counter() - start,
+            self.runner.peak_virtual_batches, self.scheduler.num_preemptions - preempt_before,
+            {i: g.peak_used for i, g in enumerate(self.groups)})
+        self.runner.peak_virtual_batches = max(peak_before, self.runner.peak_virtual_batches)
+        if shown:
+            print(self.last_stats.summary(), file=sys.stderr)
+        outputs = [seq.output_ids for seq in seqs]
+        if as_text:
+            return [self.tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
+        return outputs

@@ -1,0 +1,131 @@
+"""Turn a scheduled batch into model inputs, run one step, pick the next tokens.
+
+Per step the runner builds flat ``input_ids`` / ``positions``, and for every KV
+group one block table and one slot mapping; each attention kind reading that
+group gets exactly one ``backend.build()`` whose metadata all its layers share.
+Hybrid mode: chunked kind <- chunked group, global kind <- global group.
+Merged mode: both kinds read the single group's table (two builds, one table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from chunklocal._validate import cdiv
+from chunklocal.engine.block_manager import KVGroup
+from chunklocal.engine.scheduler import ScheduledBatch
+from chunklocal.models.llama4 import AttentionStep
+
+
+@dataclass
+class StepInputs:
+    input_ids: np.ndarray       # [T]
+    positions: np.ndarray       # [T]
+    query_start_loc: np.ndarray  # [N+1]
+    seq_lens: np.ndarray        # [N]
+    logit_rows: np.ndarray      # rows whose logits choose tokens
+    logit_owner: np.ndarray     # request of each logit row
+
+
+class ModelRunner:
+    def __init__(self, model, groups: list[KVGroup], kind_to_group: dict[str, int],
+                 backends: dict[str, object], device, kv_dtype, seed: int = 0):
+        self.model = model
+        self.groups = groups
+        self.kind_to_group = kind_to_group
+        self.backends = backends
+        self.device = torch.device(device)
+        self.block_size = groups[0].block_size
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.peak_virtual_batches = 0
+        self._bind_caches(kv_dtype)
+
+    def _bind_caches(self, kv_dtype):
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            grp = self.groups[self.kind_to_group[attn.kind]]
+            shape = (grp.num_blocks, grp.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        seqs = batch.seqs
+        query_lens = np.asarray(batch.num_new, dtype=np.int64)
+        starts = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
+        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        positions = np.arange(num_tokens) + np.repeat(starts - qsl[:-1], query_lens)
+        input_ids = np.fromiter(
+            (t for s, n, d in zip(seqs, batch.num_new, batch.drafts, strict=True)
+             for t in (s.token_ids[s.num_computed:s.num_computed + n - len(d)] + d)),
+            np.int64, num_tokens)
+        seq_lens = starts + query_lens
+        # Requests whose step reaches their last known token choose new tokens:
+        # one row for prefill/decode, every row of a verify window.
+        lengths = np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
+        num_draft = np.fromiter((len(d) for d in batch.drafts), np.int64, len(seqs))
+        rows_per_seq = np.where(seq_lens - num_draft >= lengths, num_draft + 1, 0)
+        logit_owner = np.repeat(np.arange(len(seqs)), rows_per_seq)
+        first_row = np.cumsum(rows_per_seq) - rows_per_seq
+        offset = np.arange(logit_owner.shape[0]) - first_row[logit_owner]
+        logit_rows = qsl[1:][logit_owner] - rows_per_seq[logit_owner] + offset
+        return StepInputs(input_ids, positions, qsl.astype(np.int32),
+                          seq_lens.astype(np.int32), logit_rows, logit_owner)
+
+    def _block_table(self, batch: ScheduledBatch, g: int, seq_lens: np.ndarray) -> np.ndarray:
+        width = max(1, int(cdiv(seq_lens.max(), self.block_size)))
+        table = np.zeros((len(batch.seqs), width), dtype=np.int32)
+        for row, seq in enumerate(batch.seqs):
+            pages = seq.block_tables[g][:width]
+            table[row, :len(pages)] = pages
+        return table
+
+    def build_steps(self, batch: ScheduledBatch, inputs: StepInputs) -> dict[str, AttentionStep]:
+        to_dev = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        row_of_token = np.repeat(np.arange(len(batch.seqs)), np.diff(inputs.query_start_loc))
+        per_group = {}
+        for g in sorted(set(self.kind_to_group.values())):
+            table = self._block_table(batch, g, inputs.seq_lens)
+            pages = table[row_of_token, inputs.positions // self.block_size].astype(np.int64)
+            slots = pages * self.block_size + inputs.positions % self.block_size
+            per_group[g] = (table, to_dev(slots))
+        steps = {}
+        for kind, g in self.kind_to_group.items():
+            table, slots = per_group[g]
+            metadata = self.backends[kind].build(inputs.query_start_loc, inputs.seq_lens, table)
+            self.peak_virtual_batches = max(self.peak_virtual_batches,
+                                            int(getattr(metadata, "num_batches", 0)))
+            steps[kind] = AttentionStep(self.backends[kind], metadata, slots)
+        return steps
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, temperatures: np.ndarray) -> list[np.ndarray]:
+        """One forward step; the chosen tokens of each request (empty when none)."""
+        inputs = self.prepare(batch)
+        steps = self.build_steps(batch, inputs)
+        hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
+                            torch.from_numpy(inputs.positions).to(self.device), steps)
+        tokens = self.sample(hidden[torch.from_numpy(inputs.logit_rows).to(self.device)],
+                             temperatures[inputs.logit_owner])
+        bounds = np.searchsorted(inputs.logit_owner, np.arange(len(batch.seqs) + 1))
+        return [tokens[bounds[i]:bounds[i + 1]] for i in range(len(batch.seqs))]
+
+    def logits(self, hidden):
+        return self.model.compute_logits(hidden).float()
+
+    def sample(self, hidden, temperatures: np.ndarray) -> np.ndarray:
+        if hidden.shape[0] == 0:
+            return np.zeros(0, dtype=np.int64)
+        logits = self.logits(hidden)
+        greedy = logits.argmax(dim=-1)
+        if not (temperatures > 0).any():
+            return greedy.cpu().numpy()
+        temp = torch.from_numpy(np.maximum(temperatures, 1e-6)).to(logits)
+        probs = torch.softmax(logits / temp[:, None], dim=-1)
+        drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        chosen = torch.where(torch.from_numpy(temperatures > 0).to(logits.device), drawn, greedy)
+        return chosen.cpu().numpy()

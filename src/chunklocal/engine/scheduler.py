@@ -1,0 +1,157 @@
+"""Continuous batching: which requests run this step, with how many tokens.
+
+Per step, under ``max_num_seqs`` running requests and ``max_num_batched_tokens``
+query tokens: decodes first (each with its prompt-lookup draft, if speculative
+decoding is on), then prefills already under way, then new admissions.  A
+prefill longer than the remaining budget is split anywhere, also mid-chunk.
+Admission waits while pages are short; a running request that cannot get pages
+preempts the most recently admitted unscheduled request (its KV is dropped and
+recomputed later, its tokens are kept), so nothing is ever lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from chunklocal.engine.block_manager import BlockManager
+from chunklocal.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)        # query tokens per request
+    drafts: list[list[int]] = field(default_factory=list)   # speculative tokens per request
+
+    def add(self, seq, num_new, draft=()):
+        self.seqs.append(seq)
+        self.num_new.append(num_new)
+        self.drafts.append(list(draft))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+def propose_ngram(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier match of the last n-gram."""
+    if k <= 0 or len(tokens) < 2:
+        return []
+    arr = np.asarray(tokens)
+    for n in range(min(max_ngram, len(arr) - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start:start + k].tolist()
+    return []
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 num_speculative_tokens: int = 0):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        if seq.params.temperature > 0:
+            return []  # drafts are verified greedily
+        k = min(self.num_speculative_tokens, seq.remaining_new_tokens - 1,
+                self.max_model_len - len(seq))
+        return propose_ngram(seq.token_ids, k)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def _fit(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
+        """Get pages for ``seq``, preempting unscheduled later requests; False if it yields."""
+        while not self.block_manager.can_allocate(seq, num_new):
+            victims = [s for s in self.running if s is not seq and s not in batch.seqs]
+            self._preempt(victims[-1] if victims else seq)
+            if not victims:
+                return False
+        self.block_manager.allocate(seq, num_new)
+        return True
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        decodes = [s for s in self.running if not s.is_prefilling]
+        prefills = [s for s in self.running if s.is_prefilling]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted by an earlier request this step
+                continue
+            if seq.is_prefilling:
+                draft, num_new = [], min(seq.num_uncomputed, budget)
+            else:
+                draft = self._draft(seq)[:budget - 1]
+                num_new = 1 + len(draft)
+            if self._fit(seq, num_new, batch):
+                batch.add(seq, num_new, draft)
+                budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_uncomputed, budget)
+            if not self.block_manager.can_allocate(seq, num_new):
+                break  # admission waits for pages
+            self.block_manager.allocate(seq, num_new)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_new)
+            budget -= num_new
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[np.ndarray],
+                    eos_ids: frozenset[int]) -> list[Sequence]:
+        """Advance each request by its step's result; return the ones that finished.
+
+        ``sampled[i]`` holds the tokens chosen at request ``i``'s logit rows:
+        none for a prefill piece that does not reach the end, one after the
+        last prompt token or a plain decode, ``len(draft) + 1`` for a verify.
+        """
+        finished = []
+        for seq, num_new, draft, tokens in zip(batch.seqs, batch.num_new, batch.drafts, sampled,
+                                               strict=True):
+            if len(tokens) == 0:
+                seq.num_computed += num_new
+                continue
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == int(tokens[accepted]):
+                accepted += 1
+            seq.num_computed += num_new - len(draft) + accepted
+            for token in [*draft[:accepted], int(tokens[accepted])]:
+                seq.token_ids.append(token)
+                stop = (token in eos_ids and not seq.params.ignore_eos)
+                if stop or seq.remaining_new_tokens == 0 or len(seq) >= self.max_model_len:
+                    seq.status = Status.FINISHED
+                    break
+            if seq.status is Status.FINISHED:
+                self.block_manager.free(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished

@@ -1,0 +1,66 @@
+"""One request's tokens and progress through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"    # no KV blocks (new, or preempted and to be recomputed)
+    RUNNING = "running"    # holds KV blocks for its computed tokens
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    ignore_eos: bool = False
+
+
+class Sequence:
+    """Prompt plus generated tokens; ``num_computed`` of them have KV in the cache.
+
+    ``block_tables[g]`` lists the pages of KV group ``g`` by logical page index
+    (position // block_size).  A chunked group frees the pages before the
+    current chunk; their entries stay as placeholders (page 0) that no
+    attention row ever reads, so a column index is always a logical page.
+    """
+
+    def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams,
+                 num_groups: int):
+        self.seq_id = seq_id
+        self.token_ids = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.params = params
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.block_tables: list[list[int]] = [[] for _ in range(num_groups)]
+        #: First logical page still owned, per group (pages before it were freed).
+        self.first_owned_page = [0] * num_groups
+        self.num_preemptions = 0
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the newest token lacks KV: a (re)prefill is in progress."""
+        return self.num_uncomputed > 1
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - self.num_generated

@@ -1,0 +1,278 @@
+"""Llama-4 text model over flat token batches and a paged KV cache.
+
+Layers see ``[tokens, hidden]`` with one absolute position per token; requests
+are told apart only by the attention metadata.  RoPE layers attend chunk-locally
+(the ``chunked`` attention kind), NoPE layers globally (``global``); each kind
+gets one backend metadata object per step (see :class:`AttentionStep`).
+
+Numerics follow transformers' ``Llama4ForCausalLM``: RoPE as a complex product
+over interleaved pairs ``(x[2i], x[2i+1])`` in float32, L2 qk-norm after RoPE on
+RoPE layers only, temperature tuning of the queries on NoPE layers, a top-k
+router whose sigmoid scores scale the expert *inputs*, a shared expert, and the
+dense MLP width ``intermediate_size_mlp`` on non-MoE layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CHUNKED, GLOBAL = "chunked", "global"
+
+
+@dataclass
+class AttentionStep:
+    """What every layer of one attention kind needs for one step."""
+
+    backend: Any            # object with forward(metadata, q, k_cache, v_cache, scale)
+    metadata: Any           # built once per step by backend.build()
+    slot_mapping: torch.Tensor  # [tokens] int64: flat cache row of each token's K/V
+
+
+def load_text_config(model_dir):
+    """The Llama-4 text config of a checkpoint directory (text-only or multimodal)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    text = getattr(config, "text_config", None)
+    config = text if text is not None else config
+    if getattr(config, "model_type", None) != "llama4_text":
+        raise ValueError(f"{model_dir}: expected a Llama-4 config, got model_type "
+                         f"{getattr(config, 'model_type', None)!r}")
+    return config
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x):
+        return _rms(x, self.eps) * self.weight
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inner: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inner))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
+
+    def run(self, expert, x):
+        gate, up = (x @ self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_proj[expert]
+
+    def run_all(self, x_per_expert):
+        """x_per_expert [E, T, H] -> [E, T, H]; shape-static (CUDA-graph safe)."""
+        gate, up = torch.bmm(x_per_expert, self.gate_up_proj).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.down_proj)
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+
+class MoE(nn.Module):
+    #: Up to this many tokens every expert runs on every token (scores of the
+    #: unchosen experts are 0, so their inputs and outputs are exactly 0): no
+    #: data-dependent shapes, so decode steps can be captured in a CUDA graph.
+    DENSE_MAX_TOKENS = 64
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_local_experts
+        self.experts = Experts(self.num_experts, config.hidden_size, config.intermediate_size)
+        self.router = Router(config.hidden_size, self.num_experts)
+        self.shared_expert = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x):
+        logits = F.linear(x, self.router.weight)
+        top_logit, top_index = torch.topk(logits, self.top_k, dim=1)
+        top_score = torch.sigmoid(top_logit.float()).to(x.dtype)
+        out = self.shared_expert(x)
+        if x.shape[0] <= self.DENSE_MAX_TOKENS:
+            scores = torch.zeros_like(logits).scatter_(1, top_index, top_score)
+            routed = self.experts.run_all(scores.t().unsqueeze(-1) * x.unsqueeze(0))
+            return out + routed.sum(0)
+        # Long batches: each expert runs only on its own tokens.
+        token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        flat_expert = top_index.reshape(-1)
+        flat_score = top_score.reshape(-1, 1)
+        for expert in range(self.num_experts):
+            chosen = (flat_expert == expert).nonzero().squeeze(1)
+            if chosen.numel():
+                rows = token_of[chosen]
+                out.index_add_(0, rows, self.experts.run(expert, x[rows] * flat_score[chosen]))
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.use_rope = bool(config.no_rope_layers[layer_idx])
+        self.kind = CHUNKED if (self.use_rope and config.attention_chunk_size) else GLOBAL
+        self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
+        self.temperature = None
+        if config.attn_temperature_tuning and not self.use_rope:
+            self.temperature = (float(config.floor_scale), float(config.attn_scale))
+        bias = config.attention_bias
+        hidden, hd = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, hidden, bias=bias)
+        # Paged caches [num_blocks, block_size, Hkv, D], bound by the model runner.
+        self.k_cache = self.v_cache = None
+
+    def forward(self, x, positions, freqs_cis, step: AttentionStep):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.use_rope:
+            q, k = _rotate(q, freqs_cis), _rotate(k, freqs_cis)
+        if self.qk_norm_eps is not None:
+            q, k = _rms(q, self.qk_norm_eps), _rms(k, self.qk_norm_eps)
+        if self.temperature is not None:
+            floor_scale, attn_scale = self.temperature
+            scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
+            q = (q * (scales * attn_scale + 1.0).view(t, 1, 1)).to(q.dtype)
+        # Keys and values go to the cache first: the step's queries read them
+        # back through the block table like every earlier token's.
+        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
+        out = step.backend.forward(step.metadata, q, self.k_cache, self.v_cache, self.scale)
+        return self.o_proj(out.reshape(t, -1).to(x.dtype))
+
+
+def _rotate(x, freqs_cis):
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs_cis[:, None, :]).flatten(-2).type_as(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        if layer_idx in config.moe_layers:
+            self.feed_forward = MoE(config)
+        else:
+            self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size_mlp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, freqs_cis, steps):
+        step = steps[self.self_attn.kind]
+        x = x + self.self_attn(self.input_layernorm(x), positions, freqs_cis, step)
+        return x + self.feed_forward(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Llama4ForCausalLM(nn.Module):
+    """Parameter names equal the checkpoint's, so loading is one strict state-dict load."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._inv_freq = None
+        self._rope_scaling = 1.0
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def init_rope(self, device):
+        """float32 inverse frequencies on ``device`` (transformers' formulas per rope type)."""
+        params = getattr(self.config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            dim = self.config.head_dim
+            exponents = torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim
+            self._inv_freq = 1.0 / (params.get("rope_theta", 500000.0) ** exponents)
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, self._rope_scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, device)
+            self._inv_freq = inv_freq.float().to(device)
+
+    def forward(self, input_ids, positions, steps: dict[str, AttentionStep]):
+        """input_ids, positions: [tokens]; returns final-normed hidden states [tokens, H]."""
+        angles = positions.float()[:, None] * self._inv_freq[None, :]
+        freqs_cis = torch.polar(torch.ones_like(angles), angles) * self._rope_scaling
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, freqs_cis, steps)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden)
+
+
+def load_llama4(model_dir, device="cpu", dtype=None) -> Llama4ForCausalLM:
+    """Build the model from ``config.json`` and load every ``*.safetensors`` shard."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    config = load_text_config(model_dir)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"{model_dir}: no *.safetensors files")
+    state = {}
+    for shard in shards:
+        for name, tensor in load_file(str(shard)).items():
+            # Multimodal checkpoints nest the text model under language_model.
+            if name.startswith("language_model."):
+                name = name[len("language_model."):]
+            if name.startswith(("model.", "lm_head.")):
+                state[name] = tensor
+    if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    with torch.device("meta"):
+        model = Llama4ForCausalLM(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.init_rope(device)
+    return model
