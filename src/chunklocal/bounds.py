@@ -1,31 +1,396 @@
-"""Upper bounds that size the per-step metadata buffers (placeholder: safe bounds).
+"""Exact sizes for the per-step metadata buffers (proof: docs/bounds.md).
 
-Replaced by the exact bounds of issue "Exact bounds".
+Buffers are allocated once, before any batch is seen, and CUDA graphs pin their
+addresses, so these maxima are the whole safety argument.  Each closed form
+equals the true maximum over every batch the engine limits allow (checked by
+``chunklocal verify-bounds`` and tests/test_bounds.py), and each has a
+``witness_*`` batch that attains it.
+
+Notation: N = max_num_seqs, T = max_num_batched_tokens, c = chunk size,
+L = max_model_len, bs = block size, P = c / bs (pages per chunk),
+Lp = cdiv(L, bs), K = floor((L - 1) / c) (chunk boundaries below L).  A batch
+has n <= N requests with q_i >= 1 query tokens, sum q_i <= T, q_i <= s_i <= L.
+
+Per request (offset o = (s - q) mod c), with the best placement
+``s = min(c - 1 + q, L)`` (:func:`best_seq_len`):
+
+* virtual batches ``1 + floor((o + q - 1) / c) <= 1 + min(cdiv(q - 1, c), K)``;
+* local pages ``cdiv(o + q, bs) <= min(P + cdiv(q - 1, bs), Lp)``;
+* global pages ``cdiv(s, bs) <= Lp``.
+
+Both local maxima are "a base per request, then a first extra unit for one more
+token, then each further unit for ``step`` more tokens, up to ``cap`` units".
+With n = min(N, T) requests, the optimum buys the first units before any
+further unit (:func:`_stepped`); adding a request never lowers the total.
+
+Builders size everything with one call::
+
+    sizes = buffer_sizes(spec_or_chunk, limits, num_draft_tokens=None)
+    sizes.indptr_len         # qo_indptr / paged_kv_indptr entries (num_batches + 1)
+    sizes.last_page_len_len  # paged_kv_last_page_len entries (num_batches)
+    sizes.num_pages          # paged_kv_indices entries (local and global layers)
+
+``spec_or_chunk`` is a KV spec (its chunk size and block size are used; a merged
+group with global layers also gets the global page need) or a chunk size / None
+with ``limits.block_size``.  ``chunk_size=None`` everywhere means no chunking.
 """
 
 from __future__ import annotations
 
-from chunklocal._validate import cdiv
+from dataclasses import dataclass
+from numbers import Integral
+
+import numpy as np
+
+from chunklocal._validate import cdiv, check_chunk_geometry
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _limits(max_num_seqs, max_num_batched_tokens, chunk_size, max_model_len, block_size=None):
+    """Validated ints; an absent L becomes one large enough never to bind."""
+    n_max = _positive("max_num_seqs", max_num_seqs)
+    tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
+    chunk = None if chunk_size is None else _positive("chunk_size", chunk_size)
+    if block_size is not None:
+        block_size = _positive("block_size", block_size)
+        if chunk is not None:
+            check_chunk_geometry(chunk, block_size)
+    if max_model_len is None:
+        # q <= T, so L = T + c (a whole number of pages) leaves every per-request cap slack.
+        model_len = tokens + (chunk or 0) + (block_size or 1)
+    else:
+        model_len = _positive("max_model_len", max_model_len)
+    return n_max, tokens, chunk, model_len, block_size
+
+
+def _stepped(n, budget, step, cap):
+    """max sum_i min(cdiv(a_i, step), cap) over n requests with sum_i a_i <= budget.
+
+    A first unit costs one token, each further unit ``step``; first units are
+    the cheapest, so all min(n, budget) of them are bought first.  Works on
+    ints and numpy arrays alike (the verifier evaluates it on whole grids).
+    """
+    first = np.where(cap >= 1, np.minimum(n, budget), 0)
+    further = np.minimum((budget - first) // step, first * np.maximum(cap - 1, 0))
+    return first + further
+
+
+def _virtual_batches_formula(n_max, tokens, chunk, model_len):
+    n = np.minimum(n_max, tokens)
+    return n + _stepped(n, tokens - n, chunk, (model_len - 1) // chunk)
+
+
+def _local_pages_formula(n_max, tokens, chunk, model_len, block_size):
+    n = np.minimum(n_max, tokens)
+    seq_pages = cdiv(model_len, block_size)
+    base = np.minimum(chunk // block_size, seq_pages)
+    return n * base + _stepped(n, tokens - n, block_size, seq_pages - base)
+
+
+def _global_pages_formula(n_max, tokens, model_len, block_size):
+    return np.minimum(n_max, tokens) * cdiv(model_len, block_size)
 
 
 def published_virtual_batches_bound(max_num_seqs: int, max_num_batched_tokens: int,
                                     chunk_size: int) -> int:
-    """vLLM PR 50022's bound: min(2N + cdiv(T, c), T)."""
-    return min(2 * max_num_seqs + cdiv(max_num_batched_tokens, chunk_size), max_num_batched_tokens)
+    """vLLM PR 50022's bound min(2N + cdiv(T, c), T): safe, not tight."""
+    n_max, tokens, chunk, _, _ = _limits(max_num_seqs, max_num_batched_tokens, chunk_size, None)
+    if chunk is None:
+        return n_max
+    return min(2 * n_max + cdiv(tokens, chunk), tokens)
 
 
-def max_virtual_batches(max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
+def max_virtual_batches(max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int | None,
                         max_model_len: int | None = None) -> int:
-    bound = published_virtual_batches_bound(max_num_seqs, max_num_batched_tokens, chunk_size)
-    if max_model_len is not None:
-        bound = min(bound, max_num_seqs * cdiv(max_model_len, chunk_size))
-    return bound
+    """Exact max of virtual batches in one step (any mix of prefill and decode).
+
+    n + min(n, T - n) + min(floor((T - n - f) / c), f (K - 1)), n = min(N, T),
+    f = min(n, T - n) if K >= 1 else 0; min(N, T) without chunking.  Proof: a
+    request with x >= 1 crossed boundaries costs q >= (x - 1) c + 2 tokens.
+    """
+    n_max, tokens, chunk, model_len, _ = _limits(max_num_seqs, max_num_batched_tokens,
+                                                 chunk_size, max_model_len)
+    if chunk is None:
+        return min(n_max, tokens)
+    return int(_virtual_batches_formula(n_max, tokens, chunk, model_len))
 
 
-def max_local_pages(max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
+def max_local_pages(max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int | None,
                     max_model_len: int | None, block_size: int) -> int:
-    bound = max_virtual_batches(max_num_seqs, max_num_batched_tokens, chunk_size,
-                                max_model_len) * cdiv(chunk_size, block_size)
-    if max_model_len is not None:
-        bound = min(bound, max_num_seqs * cdiv(max_model_len, block_size))
-    return bound
+    """Exact max of sum over virtual batches of cdiv(keys, bs) (paged_kv_indices length).
+
+    n base + extra, base = min(P, Lp) per request, extra = _stepped(n, T - n,
+    bs, Lp - base): past the first query token each bs tokens add one page, up
+    to Lp.  Without chunking every request reads cdiv(s, bs) pages: min(N, T) Lp.
+    """
+    n_max, tokens, chunk, model_len, block_size = _limits(
+        max_num_seqs, max_num_batched_tokens, chunk_size, max_model_len, block_size)
+    if chunk is None:
+        if max_model_len is None:
+            raise ValueError("max_model_len is required to bound pages without chunking")
+        return int(_global_pages_formula(n_max, tokens, model_len, block_size))
+    return int(_local_pages_formula(n_max, tokens, chunk, model_len, block_size))
+
+
+def max_global_pages(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                     block_size: int) -> int:
+    """Exact max pages for layers attending the whole sequence: min(N, T) cdiv(L, bs)."""
+    if max_model_len is None:
+        raise ValueError("max_model_len is required to bound global-layer pages")
+    n_max, tokens, _, model_len, block_size = _limits(
+        max_num_seqs, max_num_batched_tokens, None, max_model_len, block_size)
+    return int(_global_pages_formula(n_max, tokens, model_len, block_size))
+
+
+def max_group_pages(max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int | None,
+                    max_model_len: int, block_size: int, has_global_layers: bool = True) -> int:
+    """Pages a KV group's indices buffer needs: local, or max(local, global) if merged.
+
+    Each request's local pages are cdiv(o + q, bs) <= cdiv(s, bs), so with
+    global layers present the global need is the maximum.
+    """
+    local = max_local_pages(max_num_seqs, max_num_batched_tokens, chunk_size, max_model_len,
+                            block_size)
+    if chunk_size is None or not has_global_layers:
+        return local
+    return max(local, max_global_pages(max_num_seqs, max_num_batched_tokens, max_model_len,
+                                       block_size))
+
+
+def best_seq_len(query_len: int, chunk_size: int | None, max_model_len: int) -> int:
+    """The s that maximises both virtual batches and pages for one request of q tokens.
+
+    Start at offset min(c - 1, L - q) in the first chunk: as far right as L allows.
+    """
+    if chunk_size is None:
+        return int(max_model_len)
+    return int(min(chunk_size - 1 + query_len, max_model_len))
+
+
+def _verify_limits(max_num_seqs, num_draft_tokens, chunk_size, max_model_len,
+                   max_num_batched_tokens):
+    """(n, q, c, L): a verify step has n = min(N, floor(T / q)) requests of q = k + 1."""
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, Integral) \
+            or num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
+    q = int(num_draft_tokens) + 1
+    n_max = _positive("max_num_seqs", max_num_seqs)
+    chunk = None if chunk_size is None else _positive("chunk_size", chunk_size)
+    n = n_max
+    if max_num_batched_tokens is not None:
+        tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
+        if q > tokens:
+            raise ValueError(f"a verify step of {q} tokens per request exceeds "
+                             f"max_num_batched_tokens {tokens}")
+        n = min(n_max, tokens // q)
+    # Without L, L = q + 2c never binds: every placement below starts before 2c.
+    model_len = q + 2 * (chunk or 1) if max_model_len is None else \
+        _positive("max_model_len", max_model_len)
+    if q > model_len:
+        raise ValueError(f"a verify step of {q} tokens per request exceeds "
+                         f"max_model_len {model_len}")
+    return n, q, chunk, model_len
+
+
+def max_verify_batches(max_num_seqs: int, num_draft_tokens: int, chunk_size: int | None,
+                       max_model_len: int | None = None,
+                       max_num_batched_tokens: int | None = None) -> int:
+    """Exact max virtual batches of a verify step (every request has q = k + 1).
+
+    n (1 + min(cdiv(k, c), K)): each request crosses its own boundaries.  2N for
+    1 <= k < c and L > c (a window across a boundary), N for k = 0 or L <= c.
+    """
+    n, q, chunk, model_len = _verify_limits(max_num_seqs, num_draft_tokens, chunk_size,
+                                            max_model_len, max_num_batched_tokens)
+    if chunk is None:
+        return n
+    return n * (1 + min(cdiv(q - 1, chunk), (model_len - 1) // chunk))
+
+
+def _pieces_of_length(q: int, chunk: int | None, model_len: int, length: int):
+    """(count, s): the most pieces of one request of q tokens that have q_local = length.
+
+    Pieces are f = min(c - o, q), then whole chunks c, then the rest, so only the
+    first and last piece can be shorter than c.  First = length needs s = jc -
+    length + q, last = length needs s = jc + length (j >= 1; smallest j is best
+    against L); both at once need q = 2 length (mod c).
+    """
+    if length < 1 or length > q or (chunk is not None and length > chunk):
+        return 0, q
+    if chunk is None or length == q:
+        return 1, q  # one piece: s = q puts all q tokens in chunk 0 (q <= c here)
+    if length == chunk:
+        return q // chunk, q  # chunk-aligned; count * length <= q bounds any placement
+    first_seq = chunk - length + q
+    last_seq = max(1, cdiv(q - length, chunk)) * chunk + length
+    if first_seq <= model_len:
+        return (2 if (q - 2 * length) % chunk == 0 else 1), first_seq
+    if last_seq <= model_len:
+        return 1, last_seq
+    return 0, q
+
+
+def _best_length(q: int, chunk: int | None, model_len: int) -> int:
+    """The q_local with the most pieces: q, c, or the largest l with 2l = q (mod c)."""
+    if chunk is None:
+        return q
+    rest = q % chunk
+    candidates = [q, chunk, (rest + chunk) // 2, rest // 2]
+    return max(candidates, key=lambda ell: (_pieces_of_length(q, chunk, model_len, ell)[0],
+                                            ell == q))
+
+
+def max_verify_batches_of_length(max_num_seqs: int, num_draft_tokens: int,
+                                 chunk_size: int | None, query_len: int,
+                                 max_model_len: int | None = None,
+                                 max_num_batched_tokens: int | None = None) -> int:
+    """Exact max number of a verify step's virtual batches with q_local == query_len."""
+    n, q, chunk, model_len = _verify_limits(max_num_seqs, num_draft_tokens, chunk_size,
+                                            max_model_len, max_num_batched_tokens)
+    return n * _pieces_of_length(q, chunk, model_len, _positive("query_len", query_len))[0]
+
+
+def max_uniform_verify_batches(max_num_seqs: int, num_draft_tokens: int,
+                               chunk_size: int | None, max_model_len: int | None = None,
+                               max_num_batched_tokens: int | None = None) -> int:
+    """The uniform-decode count: most virtual batches sharing one q_local in a verify step.
+
+    A per-virtual-batch decode mask cache needs this many entries.  It is 2N
+    for even q = k + 1 <= c (odd k; split in halves at a boundary), not N.
+    """
+    n, q, chunk, model_len = _verify_limits(max_num_seqs, num_draft_tokens, chunk_size,
+                                            max_model_len, max_num_batched_tokens)
+    ell = _best_length(q, chunk, model_len)
+    return n * _pieces_of_length(q, chunk, model_len, ell)[0]
+
+
+def _stepped_units(n: int, budget: int, step: int, cap: int) -> np.ndarray:
+    """Units per request of the allocation that attains :func:`_stepped`."""
+    units = np.zeros(n, dtype=np.int64)
+    first = int(min(n, budget)) if cap >= 1 else 0
+    further = int(_stepped(n, budget, step, cap)) - first
+    units[:first] = 1
+    if further:
+        full, rest = divmod(further, cap - 1)
+        units[:full] += cap - 1
+        if rest:  # then full < first: further < first * (cap - 1)
+            units[full] += rest
+    return units
+
+
+def _units_to_queries(units: np.ndarray, step: int) -> np.ndarray:
+    return 1 + np.where(units > 0, (units - 1) * step + 1, 0)
+
+
+def _placed(queries, chunk, model_len):
+    seqs = [best_seq_len(int(q), chunk, model_len) for q in queries]
+    return [int(q) for q in queries], seqs
+
+
+def witness_virtual_batches(max_num_seqs, max_num_batched_tokens, chunk_size,
+                            max_model_len=None):
+    """(q list, s list): a batch within the limits with max_virtual_batches of them."""
+    n_max, tokens, chunk, model_len, _ = _limits(max_num_seqs, max_num_batched_tokens,
+                                                 chunk_size, max_model_len)
+    n = min(n_max, tokens)
+    if chunk is None:
+        return [1] * n, [1] * n
+    units = _stepped_units(n, tokens - n, chunk, (model_len - 1) // chunk)
+    return _placed(_units_to_queries(units, chunk), chunk, model_len)
+
+
+def witness_local_pages(max_num_seqs, max_num_batched_tokens, chunk_size, max_model_len,
+                        block_size):
+    """(q list, s list) attaining max_local_pages."""
+    n_max, tokens, chunk, model_len, block_size = _limits(
+        max_num_seqs, max_num_batched_tokens, chunk_size, max_model_len, block_size)
+    n = min(n_max, tokens)
+    if chunk is None:
+        return [1] * n, [model_len] * n
+    seq_pages = cdiv(model_len, block_size)
+    cap = seq_pages - min(chunk // block_size, seq_pages)
+    units = _stepped_units(n, tokens - n, block_size, cap)
+    return _placed(_units_to_queries(units, block_size), chunk, model_len)
+
+
+def witness_global_pages(max_num_seqs, max_num_batched_tokens, max_model_len, block_size):
+    """(q list, s list) attaining max_global_pages: decodes at full length."""
+    n = min(_positive("max_num_seqs", max_num_seqs),
+            _positive("max_num_batched_tokens", max_num_batched_tokens))
+    _positive("block_size", block_size)
+    return [1] * n, [_positive("max_model_len", max_model_len)] * n
+
+
+def witness_verify_batches(max_num_seqs, num_draft_tokens, chunk_size, max_model_len=None,
+                           max_num_batched_tokens=None):
+    """(q list, s list) attaining max_verify_batches."""
+    n, q, chunk, model_len = _verify_limits(max_num_seqs, num_draft_tokens, chunk_size,
+                                            max_model_len, max_num_batched_tokens)
+    return [q] * n, [best_seq_len(q, chunk, model_len) if chunk else q] * n
+
+
+def witness_verify_batches_of_length(max_num_seqs, num_draft_tokens, chunk_size, query_len,
+                                     max_model_len=None, max_num_batched_tokens=None):
+    """(q list, s list) attaining max_verify_batches_of_length."""
+    n, q, chunk, model_len = _verify_limits(max_num_seqs, num_draft_tokens, chunk_size,
+                                            max_model_len, max_num_batched_tokens)
+    seq = _pieces_of_length(q, chunk, model_len, _positive("query_len", query_len))[1]
+    return [q] * n, [seq] * n
+
+
+def witness_uniform_verify_batches(max_num_seqs, num_draft_tokens, chunk_size,
+                                   max_model_len=None, max_num_batched_tokens=None):
+    """(q list, s list) attaining max_uniform_verify_batches."""
+    n, q, chunk, model_len = _verify_limits(max_num_seqs, num_draft_tokens, chunk_size,
+                                            max_model_len, max_num_batched_tokens)
+    seq = _pieces_of_length(q, chunk, model_len, _best_length(q, chunk, model_len))[1]
+    return [q] * n, [seq] * n
+
+
+@dataclass(frozen=True)
+class BufferSizes:
+    """Per-step metadata buffer sizes for one KV group (all exact maxima)."""
+
+    num_batches: int  # attention problems per step: virtual batches, or requests
+    indptr_len: int  # qo_indptr and paged_kv_indptr entries
+    last_page_len_len: int  # paged_kv_last_page_len entries
+    num_pages: int  # paged_kv_indices entries (max over the group's layer kinds)
+    local_pages: int  # pages over virtual batches of chunked layers (0 without chunking)
+    global_pages: int  # pages of layers attending the whole sequence (0 if none)
+    query_tokens: int  # query rows per step (T)
+    verify_batches: int | None = None  # virtual batches of a verify step (k draft tokens)
+    uniform_verify_batches: int | None = None  # most virtual batches of one q_local
+
+
+def buffer_sizes(spec_or_chunk, limits, num_draft_tokens: int | None = None) -> BufferSizes:
+    """Size every metadata buffer of a KV group from the engine limits (see module doc)."""
+    from chunklocal.kv_spec import chunk_size_of, needs_global_pages
+
+    if spec_or_chunk is None or isinstance(spec_or_chunk, Integral):
+        chunk, block_size = spec_or_chunk, limits.block_size
+        has_global = chunk is None
+    else:
+        chunk, block_size = chunk_size_of(spec_or_chunk), spec_or_chunk.block_size
+        has_global = needs_global_pages(spec_or_chunk)
+    args = (limits.max_num_seqs, limits.max_num_batched_tokens)
+    batches = max_virtual_batches(*args, chunk, limits.max_model_len)
+    local = 0 if chunk is None else max_local_pages(*args, chunk, limits.max_model_len,
+                                                    block_size)
+    glob = max_global_pages(*args, limits.max_model_len, block_size) if has_global else 0
+    verify = uniform = None
+    if num_draft_tokens is not None:
+        verify_args = (limits.max_num_seqs, num_draft_tokens, chunk, limits.max_model_len,
+                       limits.max_num_batched_tokens)
+        verify = max_verify_batches(*verify_args)
+        uniform = max_uniform_verify_batches(*verify_args)
+    return BufferSizes(
+        num_batches=batches, indptr_len=batches + 1, last_page_len_len=batches,
+        num_pages=max(local, glob), local_pages=local, global_pages=glob,
+        query_tokens=int(limits.max_num_batched_tokens), verify_batches=verify,
+        uniform_verify_batches=uniform,
+    )
