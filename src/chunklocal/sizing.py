@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass
 
 from chunklocal import bounds
@@ -134,7 +135,7 @@ def main(args) -> int:
         result = plan(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
                       args.chunk_size, args.block_size)
     except ValueError as err:
-        print(f"chunklocal plan: error: {err}")
+        print(f"chunklocal plan: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
