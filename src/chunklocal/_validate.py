@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 
@@ -16,14 +18,29 @@ def as_int_array(value, name: str, ndim: int) -> np.ndarray:
         raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        # astype(int64) would wrap these to negative numbers.
+        index = np.unravel_index(int(np.argmax(arr)), arr.shape)
+        where = ", ".join(str(int(i)) for i in index)
+        raise ValueError(f"{name}[{where}] = {int(arr[index])} does not fit int64")
     return arr.astype(np.int64, copy=False)
+
+
+def as_int(value, name: str) -> int:
+    """An exact integer (numpy ints included); no silent truncation of 4.5 to 4."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def check_chunk_geometry(chunk_size: int, block_size: int) -> None:
     """A chunk must be a positive whole number of pages."""
-    if int(block_size) <= 0:
+    if as_int(block_size, "block_size") <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    if int(chunk_size) <= 0:
+    if as_int(chunk_size, "chunk_size") <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if int(chunk_size) % int(block_size):
         raise ValueError(

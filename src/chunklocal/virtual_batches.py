@@ -92,6 +92,22 @@ def validate_batch(query_start_loc, seq_lens, block_table, block_size: int):
     return qsl, seq, table, query_lens
 
 
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _check_fits_int32(qsl, seq) -> None:
+    """Outputs are int32 (what kernels take): refuse values that would wrap."""
+    bad = np.flatnonzero(seq > _INT32_MAX)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"request {i}: seq_len {int(seq[i])} does not fit int32")
+    bad = np.flatnonzero(qsl > _INT32_MAX)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"request {max(i - 1, 0)}: query_start_loc[{i}] = {int(qsl[i])} "
+                         "does not fit int32")
+
+
 def make_virtual_batches(
     query_start_loc, seq_lens, block_table, chunk_size: int, block_size: int
 ) -> VirtualBatches:
@@ -112,6 +128,7 @@ def make_virtual_batches(
         query_start_loc, seq_lens, block_table, block_size
     )
     c = int(chunk_size)
+    _check_fits_int32(qsl, seq)
     context = seq - query_lens
     active = query_lens > 0
     first_chunk = context // c
@@ -139,14 +156,20 @@ def make_virtual_batches(
     columns = chunk_start[:, None] // block_size + np.arange(pages_per_chunk)
     np.minimum(columns, max(table.shape[1] - 1, 0), out=columns)
     if table.shape[1] == 0:
-        local_table = np.zeros((num_batches, pages_per_chunk), dtype=np.int32)
+        local_table = np.zeros((num_batches, pages_per_chunk), dtype=np.int64)
     else:
-        local_table = table[request[:, None], columns].astype(np.int32)
+        local_table = table[request[:, None], columns]
+    bad = np.argwhere((local_table > _INT32_MAX) | (local_table < -_INT32_MAX - 1))
+    if bad.size:
+        m, col = bad[0]
+        i, j = int(request[m]), int(columns[m, col])
+        raise ValueError(f"request {i}: block_table[{i}, {j}] = {int(table[i, j])} does not "
+                         "fit the int32 local block table")
 
     return VirtualBatches(
         query_start_loc=local_qsl.astype(np.int32),
         seq_lens=(q_end - chunk_start).astype(np.int32),
-        block_table=local_table,
+        block_table=local_table.astype(np.int32),
         kv_start=chunk_start.astype(np.int32),
         request=request.astype(np.int32),
         num_batches=num_batches,
