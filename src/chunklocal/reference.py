@@ -50,8 +50,11 @@ def _check_tensors(q, k_cache, v_cache) -> None:
                          f"{q.device}, {k_cache.device}, {v_cache.device}")
 
 
-def _check_pages(seq, table, offset, block_size: int, num_pages: int) -> None:
-    """Every page a row reads must exist (ValueError, not an IndexError later)."""
+def _check_rows_and_pages(q, k_cache, qsl, seq, table, offset) -> None:
+    """Every query row and page a row reads must exist (ValueError, not IndexError later)."""
+    num_pages, block_size = k_cache.shape[:2]
+    if qsl.size and qsl[-1] > q.shape[0]:
+        raise ValueError(f"query_start_loc ends at {int(qsl[-1])} but q has {q.shape[0]} rows")
     pages_needed = cdiv(offset + seq, block_size) * (seq > 0)
     bad = np.flatnonzero(pages_needed > table.shape[1])
     if bad.size:
@@ -121,9 +124,7 @@ def paged_causal_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
         if bad.size:
             raise ValueError(f"request {int(bad[0])}: kv_start {int(start[bad[0]])} is negative")
         offset = start % block_size
-    if qsl.size and qsl[-1] > q.shape[0]:
-        raise ValueError(f"query_start_loc ends at {int(qsl[-1])} but q has {q.shape[0]} rows")
-    _check_pages(seq, table, offset, block_size, num_pages)
+    _check_rows_and_pages(q, k_cache, qsl, seq, table, offset)
 
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -174,7 +175,10 @@ def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if chunk_size is None:
         return paged_causal_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
                                       block_table, scale=scale)
-    vb = make_virtual_batches(query_start_loc, seq_lens, block_table, chunk_size,
-                              k_cache.shape[1])
+    # Check against the caller's own table first, so errors name the caller's requests.
+    qsl, seq, table, _ = validate_batch(query_start_loc, seq_lens, block_table,
+                                        k_cache.shape[1])
+    _check_rows_and_pages(q, k_cache, qsl, seq, table, np.zeros_like(seq))
+    vb = make_virtual_batches(qsl, seq, table, chunk_size, k_cache.shape[1])
     return paged_causal_attention(q, k_cache, v_cache, vb.query_start_loc, vb.seq_lens,
                                   vb.block_table, kv_start=vb.kv_start, scale=scale)
