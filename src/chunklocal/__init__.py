@@ -21,6 +21,12 @@ _EXPORTS = {
     "max_local_pages": "bounds",
     "max_verify_batches": "bounds",
     "published_virtual_batches_bound": "bounds",
+    "max_global_pages": "bounds",
+    "max_group_pages": "bounds",
+    "max_uniform_verify_batches": "bounds",
+    "max_verify_batches_of_length": "bounds",
+    "buffer_sizes": "bounds",
+    "BufferSizes": "bounds",
     "EngineLimits": "backends.base",
     "LLM": "engine.llm",
 }
