@@ -1,0 +1,390 @@
+"""Persistent paged-KV metadata buffers, sized once from proven bounds.
+
+One :class:`MetadataBuffers` holds the int32 arrays a FlashInfer-style kernel reads
+for one attention kind (the chunked or the global layers of a KV group):
+``qo_indptr``, ``paged_kv_indptr``, ``paged_kv_last_page_len``, ``paged_kv_indices``
+and, for speculative verify under CUDA graphs, ``verify_use_first`` (which of a
+window's two virtual batches each query row reads; see backends/flashinfer.py).
+Each lives on the device with a pinned host mirror (plain CPU tensors on CPU-only
+machines).  They are allocated once: CUDA-graph decode wrappers alias slices of
+them, so they are never rebound while graphs are on.
+
+A step is described by *slots* (attention problems): ``kv_lens[m]`` keys read from
+``block_table[rows[m]]`` starting at column ``first_page[m]``; ``rows[m] == -1``
+marks a padding slot, which reads one key of the reserved scratch page and no real
+KV.  The host path (:meth:`MetadataBuffers.write_host`) fills the mirrors with numpy
+(``np.cumsum(..., out=mirror_slice)``); :meth:`MetadataBuffers.copy_to_device` then
+makes one non-blocking copy per buffer.  The device path
+(:meth:`MetadataBuffers.write_device`) computes the same arrays with torch ops of
+fixed shape straight into the device buffers: no host sync, so it can be captured
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from chunklocal import bounds
+from chunklocal._validate import cdiv
+
+logger = logging.getLogger(__name__)
+
+BUFFER_NAMES = ("qo_indptr", "paged_kv_indptr", "paged_kv_last_page_len", "paged_kv_indices")
+
+
+class CapacityError(ValueError):
+    """A step needs more room than a buffer that may not be reallocated."""
+
+    def __init__(self, buffer: str, bound: int, observed: int):
+        self.buffer, self.bound, self.observed = buffer, int(bound), int(observed)
+        super().__init__(
+            f"{buffer} holds {self.bound} entries (its bound) but this step needs "
+            f"{self.observed}; buffers aliased by CUDA graphs cannot grow"
+        )
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Slots (indptr has ``batches + 1`` entries) and page indices a buffer set holds."""
+
+    batches: int
+    pages: int
+
+    def union(self, other: Capacity) -> Capacity:
+        return Capacity(max(self.batches, other.batches), max(self.pages, other.pages))
+
+
+def _global_pages(n_max: int, tokens: int, model_len: int, block_size: int) -> int:
+    exact = getattr(bounds, "max_global_pages", None)
+    if exact is not None:
+        return int(exact(n_max, tokens, model_len, block_size))
+    return min(n_max, tokens) * cdiv(model_len, block_size)
+
+
+def step_capacity(spec, limits, *, chunked: bool) -> Capacity:
+    """Most slots and pages one eager step can need, for the chunked or global layers.
+
+    ``chunked=True`` sizes the virtual batches of the spec's chunk size
+    (:func:`chunklocal.bounds.max_virtual_batches`, ``max_local_pages``);
+    ``chunked=False`` sizes whole requests (global layers: a plain full spec, or the
+    global layers of a merged group, which keep room for whole sequences).
+    """
+    from chunklocal.kv_spec import chunk_size_of
+
+    n_max, tokens = limits.max_num_seqs, limits.max_num_batched_tokens
+    model_len, block_size = limits.max_model_len, spec.block_size
+    if not chunked:
+        return Capacity(min(n_max, tokens), _global_pages(n_max, tokens, model_len, block_size))
+    chunk = chunk_size_of(spec)
+    if chunk is None:
+        raise ValueError(f"chunked=True needs a spec with a chunk size, got {spec!r}")
+    return Capacity(
+        int(bounds.max_virtual_batches(n_max, tokens, chunk, model_len)),
+        int(bounds.max_local_pages(n_max, tokens, chunk, model_len, block_size)),
+    )
+
+
+def slot_page_limits(chunk: int | None, query_len: int, model_len: int,
+                     block_size: int) -> tuple[int, ...]:
+    """Most pages each slot of one request's padded graph layout can read.
+
+    Decode (``query_len == 1``) and global layers use one slot per request; a
+    chunked verify window uses two (first chunk, last chunk) when a chunk
+    boundary can fall inside it.  The first slot reads from the previous chunk's
+    start through the window's end: at most ``c + query_len - 1`` keys.
+    """
+    seq_pages = cdiv(model_len, block_size)
+    if chunk is None:
+        return (seq_pages,)
+    last = min(cdiv(chunk, block_size), seq_pages)
+    if query_len == 1 or model_len <= chunk:
+        return (last,)
+    return (min(cdiv(chunk + query_len - 1, block_size), seq_pages), last)
+
+
+def graph_capacity(batch_sizes, chunk: int | None, query_len: int, model_len: int,
+                   block_size: int) -> Capacity:
+    """Slots and pages of the padded layouts of every captured batch size."""
+    per_slot = slot_page_limits(chunk, query_len, model_len, block_size)
+    biggest = max(batch_sizes, default=0)
+    return Capacity(biggest * len(per_slot), biggest * sum(per_slot))
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """What write_host filled: views of the pinned mirrors (valid until the next write)."""
+
+    num_batches: int
+    num_pages: int
+    qo_indptr: torch.Tensor
+    paged_kv_indptr: torch.Tensor
+    paged_kv_last_page_len: torch.Tensor
+    paged_kv_indices: torch.Tensor
+    mirror_set: int
+
+
+class MetadataBuffers:
+    """Persistent int32 metadata buffers for one attention kind of one KV group."""
+
+    def __init__(self, capacity: Capacity, block_size: int, *, device="cpu",
+                 cuda_graphs: bool = False, name: str = "metadata", verify_rows: int = 0):
+        if capacity.batches < 0 or capacity.pages < 0:
+            raise ValueError(f"{name}: capacity must be non-negative, got {capacity}")
+        self.name = name
+        self.block_size = int(block_size)
+        self.device = torch.device(device)
+        self.cuda_graphs = bool(cuda_graphs)
+        self._pin = self.device.type == "cuda"
+        self._warned = False
+        self.capacity = capacity
+        self.gpu: dict[str, torch.Tensor] = {}
+        self.verify_use_first = torch.zeros(verify_rows, dtype=torch.bool, device=self.device)
+        self._allocate(capacity)
+        # Two mirror sets: a step's non-blocking copies may still be queued when
+        # the next step is written, so writes alternate and wait on the older copy.
+        self._next_set = 0
+        self._copy_done: list[torch.cuda.Event | None] = [None, None]
+
+    def _sizes(self, capacity: Capacity) -> dict[str, int]:
+        return {"qo_indptr": capacity.batches + 1, "paged_kv_indptr": capacity.batches + 1,
+                "paged_kv_last_page_len": capacity.batches,
+                "paged_kv_indices": max(capacity.pages, 1)}
+
+    def _allocate(self, capacity: Capacity) -> None:
+        sizes = self._sizes(capacity)
+        self.gpu = {n: torch.zeros(sizes[n], dtype=torch.int32, device=self.device)
+                    for n in BUFFER_NAMES}
+        self.host = [{n: torch.zeros(sizes[n], dtype=torch.int32, pin_memory=self._pin)
+                      for n in BUFFER_NAMES} for _ in range(2)]
+        self.capacity = capacity
+
+    def ensure_capacity(self, num_batches: int, num_pages: int = 0) -> None:
+        """Make room for a step, or raise CapacityError if buffers are frozen (graphs on)."""
+        need = {"paged_kv_indptr": num_batches + 1, "paged_kv_indices": num_pages}
+        have = self._sizes(self.capacity)
+        short = [n for n in need if need[n] > have[n]]
+        if not short:
+            return
+        if self.cuda_graphs:
+            n = short[0]
+            raise CapacityError(f"{self.name}.{n}", have[n], need[n])
+        grown = Capacity(max(self.capacity.batches, num_batches),
+                         max(self.capacity.pages, num_pages))
+        if not self._warned:
+            logger.warning("%s: a step needs %d batches / %d pages, more than the bound "
+                           "(%d / %d); growing the buffers (CUDA graphs are off)", self.name,
+                           num_batches, num_pages, self.capacity.batches, self.capacity.pages)
+            self._warned = True
+        self._allocate(grown)
+
+    # ------------------------------------------------------------------ host
+    def write_host(self, query_lens, kv_lens, first_page, rows, block_table,
+                   scratch_page: int = 0) -> HostStep:
+        """Fill a mirror set for slots described as in the module doc (numpy, vectorised)."""
+        q = np.asarray(query_lens, dtype=np.int64)
+        kv = np.asarray(kv_lens, dtype=np.int64)
+        num_batches = q.shape[0]
+        self.ensure_capacity(num_batches)
+        rows = np.asarray(rows, dtype=np.int64)
+        padding = rows < 0
+        kv = np.where(padding, 1, kv)
+        bad = np.flatnonzero(kv <= 0)
+        if bad.size:
+            m = int(bad[0])
+            raise ValueError(f"{self.name}: slot {m} reads {int(kv[m])} keys; every slot "
+                             "needs at least one key")
+        pages = cdiv(kv, self.block_size)
+        num_pages = int(pages.sum())
+        self.ensure_capacity(num_batches, num_pages)
+        mirror_set = self._claim_mirror_set()
+        host = {n: t.numpy() for n, t in self.host[mirror_set].items()}
+        kv_indptr = host["paged_kv_indptr"]
+        kv_indptr[0] = 0
+        np.cumsum(pages, out=kv_indptr[1:num_batches + 1])
+        host["qo_indptr"][0] = 0
+        np.cumsum(q, out=host["qo_indptr"][1:num_batches + 1])
+        host["paged_kv_last_page_len"][:num_batches] = kv - (pages - 1) * self.block_size
+        slot = np.repeat(np.arange(num_batches), pages)
+        column = (np.asarray(first_page, dtype=np.int64)[slot]
+                  + np.arange(num_pages) - kv_indptr[slot])
+        table = np.asarray(block_table)
+        real = ~padding[slot]
+        indices = host["paged_kv_indices"][:num_pages]
+        indices[:] = scratch_page
+        if table.size:
+            indices[real] = table[rows[slot[real]], column[real]]
+        mirrors = self.host[mirror_set]
+        return HostStep(num_batches, num_pages, mirrors["qo_indptr"][:num_batches + 1],
+                        mirrors["paged_kv_indptr"][:num_batches + 1],
+                        mirrors["paged_kv_last_page_len"][:num_batches],
+                        mirrors["paged_kv_indices"][:num_pages], mirror_set)
+
+    def _claim_mirror_set(self) -> int:
+        mirror_set = self._next_set
+        self._next_set ^= 1
+        event = self._copy_done[mirror_set]
+        if event is not None:
+            event.synchronize()
+        return mirror_set
+
+    def mark_consumed(self, step: HostStep) -> None:
+        """Record that every copy reading ``step``'s mirrors has been queued."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._copy_done[step.mirror_set] = event
+
+    def copy_to_device(self, step: HostStep) -> None:
+        """One non-blocking copy per buffer, mirror slice -> persistent device slice."""
+        for name in BUFFER_NAMES:
+            src = getattr(step, name)
+            self.gpu[name][: src.shape[0]].copy_(src, non_blocking=True)
+        self.mark_consumed(step)
+
+    # ---------------------------------------------------------------- device
+    def write_device(self, kv_lens: torch.Tensor, first_page: torch.Tensor,
+                     rows: torch.Tensor, block_table: torch.Tensor, num_pages_reserved: int,
+                     scratch_page: int = 0) -> None:
+        """Fill paged_kv_indptr/last_page_len/indices for ``len(kv_lens)`` slots on device.
+
+        Fixed shapes only (``num_pages_reserved`` index entries are written, those
+        past the last real page point at the scratch page), no ``.item()``: safe to
+        capture in a CUDA graph.  ``torch.cumsum(out=...)`` writes straight into a
+        slice of the persistent indptr buffer.
+        """
+        num_slots = kv_lens.shape[0]
+        if num_slots + 1 > self.gpu["paged_kv_indptr"].shape[0]:
+            raise CapacityError(f"{self.name}.paged_kv_indptr",
+                                self.gpu["paged_kv_indptr"].shape[0], num_slots + 1)
+        if num_pages_reserved > self.gpu["paged_kv_indices"].shape[0]:
+            raise CapacityError(f"{self.name}.paged_kv_indices",
+                                self.gpu["paged_kv_indices"].shape[0], num_pages_reserved)
+        padding = rows < 0
+        kv = torch.where(padding, torch.ones_like(kv_lens), kv_lens).clamp_(min=1)
+        pages = (kv + self.block_size - 1) // self.block_size
+        indptr = self.gpu["paged_kv_indptr"]
+        indptr[:1].zero_()
+        torch.cumsum(pages, 0, dtype=torch.int32, out=indptr[1:num_slots + 1])
+        self.gpu["paged_kv_last_page_len"][:num_slots].copy_(kv - (pages - 1) * self.block_size)
+        entry = torch.arange(num_pages_reserved, device=kv.device, dtype=torch.int32)
+        slot = torch.searchsorted(indptr[1:num_slots + 1], entry, right=True)
+        slot.clamp_(max=num_slots - 1)
+        column = first_page[slot] + entry - indptr[slot]
+        column.clamp_(min=0, max=max(block_table.shape[1] - 1, 0))
+        row = rows.clamp(min=0)[slot]
+        real = (entry < indptr[num_slots]) & ~padding[slot]
+        value = block_table[row.long(), column.long()].to(torch.int32)
+        self.gpu["paged_kv_indices"][:num_pages_reserved].copy_(
+            torch.where(real, value, torch.full_like(value, scratch_page)))
+
+
+# ------------------------------------------------------------- graph layouts
+def graph_slots(seq_lens, query_len: int, chunk: int | None, block_size: int,
+                two_slots: bool):
+    """Slots of a padded graph step: (kv_lens, first_page, rows), request-major.
+
+    ``seq_lens`` [B] (numpy or torch; 0 marks a padding request) holds each
+    request's length including its ``query_len`` new tokens.  One slot per
+    request reads the chunk of its last token (all keys without chunking); with
+    ``two_slots`` a first slot reads from the previous chunk's start, and only
+    when the window straddles a chunk boundary (a padding slot otherwise).
+    Works on numpy arrays (host) and torch tensors (device) alike.
+    """
+    xp = torch if isinstance(seq_lens, torch.Tensor) else np
+    s = seq_lens
+    real = s > 0
+    if isinstance(s, torch.Tensor):
+        request = torch.arange(s.shape[0], device=s.device, dtype=s.dtype)
+    else:
+        request = np.arange(s.shape[0], dtype=s.dtype)
+    rows = xp.where(real, request, -1)
+    if chunk is None:
+        return s, s * 0, rows
+    last_start = xp.where(real, (s - 1) // chunk * chunk, 0)
+    last = (s - last_start, last_start // block_size, rows)
+    if not two_slots:
+        return last
+    straddle = real & (s - query_len < last_start)
+    first_start = xp.where(straddle, last_start - chunk, 0)
+    first = (s - first_start, first_start // block_size, xp.where(straddle, request, -1))
+    return tuple(xp.stack([a, b], 1).reshape(-1) for a, b in zip(first, last, strict=True))
+
+
+def verify_use_first(seq_lens, query_len: int, chunk: int) -> torch.Tensor | np.ndarray:
+    """[B, query_len] bool: query row i of request r lies before its last chunk's start."""
+    xp = torch if isinstance(seq_lens, torch.Tensor) else np
+    s = seq_lens
+    if isinstance(s, torch.Tensor):
+        offsets = torch.arange(query_len, device=s.device, dtype=s.dtype)
+    else:
+        offsets = np.arange(query_len, dtype=s.dtype)
+    last_start = xp.where(s > 0, (s - 1) // chunk * chunk, 0)
+    position = (s - query_len)[:, None] + offsets[None, :]
+    return (position < last_start[:, None]) & (s > 0)[:, None]
+
+
+# ------------------------------------------------------------- whole steps
+def attention_kinds(spec) -> tuple[bool, ...]:
+    """Which layer kinds read this spec: (True,) chunked, (False,) global, or both (merged)."""
+    from chunklocal.kv_spec import chunk_size_of, needs_global_pages
+
+    chunked = (True,) if chunk_size_of(spec) else ()
+    return chunked + ((False,) if needs_global_pages(spec) else ())
+
+
+def group_capacities(spec, limits, graph_batch_sizes=(), query_lens=(1,)) -> dict:
+    """Capacity per layer kind: the step bound, widened for padded graph layouts."""
+    from chunklocal.kv_spec import chunk_size_of
+
+    out = {}
+    for chunked in attention_kinds(spec):
+        capacity = step_capacity(spec, limits, chunked=chunked)
+        chunk = chunk_size_of(spec) if chunked else None
+        for query_len in query_lens:
+            capacity = capacity.union(graph_capacity(graph_batch_sizes, chunk, query_len,
+                                                     limits.max_model_len, spec.block_size))
+        out[chunked] = capacity
+    return out
+
+
+def write_step(buffers: MetadataBuffers, qsl, seq, table, query_lens,
+               chunk: int | None) -> HostStep:
+    """Eager step: virtual batches (chunked) or requests with queries (global) -> mirrors."""
+    from chunklocal.virtual_batches import make_virtual_batches
+
+    if chunk:
+        vb = make_virtual_batches(qsl, seq, table, chunk, buffers.block_size)
+        buffers.ensure_capacity(vb.num_batches)
+        return buffers.write_host(vb.query_lens, vb.seq_lens, np.zeros(vb.num_batches, np.int64),
+                                  np.arange(vb.num_batches), vb.block_table)
+    rows = np.flatnonzero(np.asarray(query_lens) > 0)
+    buffers.ensure_capacity(rows.size)
+    return buffers.write_host(np.asarray(query_lens)[rows], np.asarray(seq)[rows],
+                              np.zeros(rows.size, np.int64), rows, table)
+
+
+def write_graph_step(buffers: MetadataBuffers, seq_lens, block_table, query_len: int,
+                     chunk: int | None, two_slots: bool, scratch_page: int):
+    """Padded graph step on the host: fills mirrors; returns (HostStep, use_first or None)."""
+    kv, first, rows = graph_slots(seq_lens, query_len, chunk, buffers.block_size, two_slots)
+    step = buffers.write_host(np.full(kv.shape[0], query_len), kv, first, rows, block_table,
+                              scratch_page)
+    mask = verify_use_first(seq_lens, query_len, chunk).reshape(-1) if two_slots else None
+    return step, mask
+
+
+def write_graph_step_device(buffers: MetadataBuffers, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor, query_len: int, chunk: int | None,
+                            two_slots: bool, scratch_page: int, model_len: int) -> None:
+    """Padded graph step on the device (capturable); also fills verify_use_first."""
+    limits = slot_page_limits(chunk, query_len, model_len, buffers.block_size)
+    kv, first, rows = graph_slots(seq_lens, query_len, chunk, buffers.block_size, two_slots)
+    buffers.write_device(kv, first, rows, block_table, seq_lens.shape[0] * sum(limits),
+                         scratch_page)
+    if two_slots:
+        mask = verify_use_first(seq_lens, query_len, chunk).reshape(-1)
+        buffers.verify_use_first[: mask.shape[0]].copy_(mask)

@@ -1,0 +1,260 @@
+"""Persistent metadata buffers: sizing, capacity backstop, values vs an independent oracle."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunklocal import bounds
+from chunklocal.backends.base import EngineLimits
+from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
+from chunklocal.metadata import (
+    Capacity,
+    CapacityError,
+    MetadataBuffers,
+    attention_kinds,
+    group_capacities,
+    write_graph_step,
+    write_graph_step_device,
+    write_step,
+)
+
+BS = 16
+REPORTER = EngineLimits(max_num_seqs=1, max_num_batched_tokens=36000, max_model_len=36000,
+                        block_size=BS)
+
+
+def chunked_spec(c=8192, bs=BS):
+    return ChunkedLocalAttentionSpec(bs, 8, 128, torch.bfloat16, attention_chunk_size=c)
+
+
+def full_spec(bs=BS, chunk=None):
+    return FullAttentionSpec(bs, 8, 128, torch.bfloat16, attention_chunk_size=chunk)
+
+
+# ----------------------------------------------------------------- oracle
+def keys_expected(qsl, seq, table, chunk, bs):
+    """Physical key slots each query row sees, from the per-token chunk rule."""
+    rows = []
+    for r in range(len(seq)):
+        q = qsl[r + 1] - qsl[r]
+        for p in range(seq[r] - q, seq[r]):
+            lo = p // chunk * chunk if chunk else 0
+            rows.append([int(table[r][k // bs]) * bs + k % bs for k in range(lo, p + 1)])
+    return rows
+
+
+def keys_from_metadata(qo_indptr, kv_indptr, last, indices, bs):
+    """Physical key slots per query row, reading the arrays as FlashInfer does (causal)."""
+    rows = []
+    for m in range(len(kv_indptr) - 1):
+        pages = indices[kv_indptr[m]:kv_indptr[m + 1]]
+        kv_len = (len(pages) - 1) * bs + last[m]
+        slots = [int(pages[k // bs]) * bs + k % bs for k in range(kv_len)]
+        q = qo_indptr[m + 1] - qo_indptr[m]
+        for i in range(q):
+            rows.append(slots[: kv_len - (q - 1 - i)])
+    return rows
+
+
+@st.composite
+def random_batch(draw, n_max=5, chunk=64, bs=BS, q_max=150, s_max=400):
+    n = draw(st.integers(1, n_max))
+    seq = [draw(st.integers(1, s_max)) for _ in range(n)]
+    q = [draw(st.integers(1, min(s, q_max))) for s in seq]
+    width = -(-max(seq) // bs)
+    pool = np.random.default_rng(draw(st.integers(0, 2**31))).permutation(n * width + 7)
+    table = pool[: n * width].reshape(n, width) + 1
+    return np.concatenate([[0], np.cumsum(q)]), np.array(seq), table
+
+
+# ----------------------------------------------------------------- sizing
+def test_sizing_chunked_spec_uses_virtual_batch_bounds():
+    caps = group_capacities(chunked_spec(), REPORTER)
+    assert attention_kinds(chunked_spec()) == (True,)
+    assert caps[True] == Capacity(
+        bounds.max_virtual_batches(1, 36000, 8192, 36000),
+        bounds.max_local_pages(1, 36000, 8192, 36000, BS))
+    assert caps[True].batches >= 5 and caps[True].pages >= 2250
+
+
+def test_sizing_full_spec_and_full_spec_carrying_a_chunk():
+    assert attention_kinds(full_spec()) == (False,)
+    assert group_capacities(full_spec(), REPORTER)[False] == Capacity(1, 2250)
+    # A full spec that carries a chunk (merged mode) counts as chunked AND keeps
+    # whole-sequence room for its global layers.
+    carried = full_spec(chunk=8192)
+    assert attention_kinds(carried) == (True, False)
+    caps = group_capacities(carried, REPORTER)
+    assert caps[True].batches >= 5
+    assert caps[False].pages == 2250
+
+
+def test_sizing_merged_group():
+    merged = merge([chunked_spec(), full_spec()])
+    assert attention_kinds(merged) == (True, False)
+    limits = EngineLimits(256, 8192, 131072, BS)
+    caps = group_capacities(merged, limits)
+    assert caps[False].pages == 256 * 8192  # 256 requests x cdiv(131072, 16)
+    assert caps[True].batches > 256  # virtual batches exceed max_num_seqs
+    only_chunked = merge([chunked_spec(), chunked_spec()])
+    assert attention_kinds(only_chunked) == (True,)
+
+
+def test_sizing_graph_layouts_widen_capacity():
+    limits = EngineLimits(8, 64, 1000, BS)
+    caps = group_capacities(chunked_spec(c=256), limits, graph_batch_sizes=(1, 8),
+                            query_lens=(1, 4))
+    # verify: two slots per request, first slot up to c + 3 keys.
+    assert caps[True].batches >= 16
+    assert caps[True].pages >= 8 * (-(-(256 + 3) // BS) + 256 // BS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_every_step_fits_the_capacity(data):
+    n_max = data.draw(st.integers(1, 4))
+    tokens = data.draw(st.integers(n_max, 300))
+    model_len = data.draw(st.integers(1, 400))
+    limits = EngineLimits(n_max, tokens, model_len, BS)
+    spec = merge([chunked_spec(c=64), full_spec()])
+    n = data.draw(st.integers(1, n_max))
+    seq = np.array([data.draw(st.integers(1, model_len)) for _ in range(n)])
+    budget = tokens
+    q = []
+    for s in seq:
+        q.append(data.draw(st.integers(1, max(1, min(int(s), budget - (n - len(q) - 1))))))
+        budget -= q[-1]
+    if budget < 0:
+        return
+    qsl = np.concatenate([[0], np.cumsum(q)])
+    table = np.arange(n * (-(-model_len // BS))).reshape(n, -1)
+    for chunked, cap in group_capacities(spec, limits).items():
+        buffers = MetadataBuffers(cap, BS, cuda_graphs=True)
+        write_step(buffers, qsl, seq, table, np.diff(qsl), 64 if chunked else None)
+
+
+# ------------------------------------------------------- capacity backstop
+def reporter_step(buffers):
+    return write_step(buffers, np.array([0, 36000]), np.array([36000]),
+                      np.arange(2250)[None, :], np.array([36000]), 8192)
+
+
+def test_capacity_backstop_grows_without_graphs(caplog):
+    buffers = MetadataBuffers(Capacity(1, 512), BS, cuda_graphs=False, name="tiny")
+    with caplog.at_level(logging.WARNING, logger="chunklocal.metadata"):
+        step = reporter_step(buffers)
+        reporter_step(buffers)
+    assert step.num_batches == 5 and step.num_pages == 2250
+    assert buffers.capacity.batches >= 5 and buffers.capacity.pages >= 2250
+    assert sum("growing" in r.message for r in caplog.records) == 1
+
+
+def test_capacity_backstop_raises_with_graphs_and_keeps_buffers():
+    buffers = MetadataBuffers(Capacity(1, 512), BS, cuda_graphs=True, name="tiny")
+    before = {n: t.data_ptr() for n, t in buffers.gpu.items()}
+    with pytest.raises(CapacityError) as err:
+        reporter_step(buffers)
+    assert err.value.buffer == "tiny.paged_kv_indptr"
+    assert (err.value.bound, err.value.observed) == (2, 6)
+    assert "2" in str(err.value) and "6" in str(err.value)
+    # Enough slots but too few pages: the second check (page count known) fires.
+    buffers = MetadataBuffers(Capacity(5, 512), BS, cuda_graphs=True, name="tiny")
+    before = {n: t.data_ptr() for n, t in buffers.gpu.items()}
+    with pytest.raises(CapacityError) as err:
+        reporter_step(buffers)
+    assert (err.value.buffer, err.value.bound, err.value.observed) == (
+        "tiny.paged_kv_indices", 512, 2250)
+    assert {n: t.data_ptr() for n, t in buffers.gpu.items()} == before
+
+
+def test_reporter_config_reproduces_max_num_seqs_failure_and_passes_with_bounds():
+    pages = np.array([512, 512, 512, 512, 202])  # 36000 tokens, c = 8192, bs = 16
+    vllm_sized = np.zeros(REPORTER.max_num_seqs + 1, dtype=np.int32)
+    # numpy < 2.x: "provided out is the wrong size for the accumulation";
+    # numpy 2.4: "non-broadcastable output operand with shape (1,) ...".
+    with pytest.raises(ValueError, match="wrong size for the accumulation|non-broadcastable"):
+        np.cumsum(pages, out=vllm_sized[1:len(pages) + 1])
+    caps = group_capacities(chunked_spec(), REPORTER)
+    buffers = MetadataBuffers(caps[True], BS, cuda_graphs=True)
+    step = reporter_step(buffers)
+    assert step.paged_kv_indptr.tolist() == [0, 512, 1024, 1536, 2048, 2250]
+    assert step.paged_kv_last_page_len.tolist() == [16, 16, 16, 16, 36000 - 35984]
+    assert step.qo_indptr.tolist() == [0, 8192, 16384, 24576, 32768, 36000]
+    assert step.paged_kv_indices.tolist() == list(range(2250))
+
+
+# ------------------------------------------------------ values vs oracle
+@settings(max_examples=40, deadline=None)
+@given(st.data(), st.sampled_from([None, 32, 64]))
+def test_eager_step_matches_chunk_rule(data, chunk):
+    qsl, seq, table = data.draw(random_batch())
+    buffers = MetadataBuffers(Capacity(1, 1), BS)  # grows: eager mode
+    step = write_step(buffers, qsl, seq, table, np.diff(qsl), chunk)
+    got = keys_from_metadata(step.qo_indptr.numpy(), step.paged_kv_indptr.numpy(),
+                             step.paged_kv_last_page_len.numpy(),
+                             step.paged_kv_indices.numpy(), BS)
+    assert got == keys_expected(qsl, seq, table, chunk, BS)
+    assert (step.paged_kv_last_page_len.numpy() >= 1).all()
+    assert (step.paged_kv_last_page_len.numpy() <= BS).all()
+
+
+def graph_rows(step, mask, query_len, batch, two_slots):
+    """Per real query row, the keys of the slot it reads (verify picks by mask)."""
+    rows = keys_from_metadata(step.qo_indptr.numpy(), step.paged_kv_indptr.numpy(),
+                              step.paged_kv_last_page_len.numpy(),
+                              step.paged_kv_indices.numpy(), BS)
+    if not two_slots:
+        return rows
+    pairs = np.array(rows, dtype=object).reshape(batch, 2, query_len)
+    pick = mask.reshape(batch, query_len)
+    return [pairs[r, 0 if pick[r, i] else 1, i] for r in range(batch) for i in range(query_len)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from([None, 32, 64]), st.sampled_from([1, 2, 4]))
+def test_graph_step_host_and_device_match_chunk_rule(data, chunk, query_len):
+    batch = data.draw(st.integers(1, 5))
+    real = data.draw(st.integers(0, batch))
+    model_len = 300
+    seq = np.zeros(batch, np.int64)
+    seq[:real] = [data.draw(st.integers(query_len, model_len)) for _ in range(real)]
+    width = -(-model_len // BS)
+    table = np.arange(1, batch * width + 1).reshape(batch, width)[::-1].copy()
+    two_slots = bool(chunk) and query_len > 1
+    buffers = MetadataBuffers(Capacity(2 * batch, 2 * batch * width), BS, cuda_graphs=True,
+                              verify_rows=batch * query_len)
+    step, mask = write_graph_step(buffers, seq, table, query_len, chunk, two_slots, 0)
+    got = graph_rows(step, mask, query_len, batch, two_slots)
+    qsl = np.arange(real + 1) * query_len
+    expected = keys_expected(qsl, seq[:real], table[:real], chunk, BS)
+    assert got[: real * query_len] == expected
+    # Padding rows read only the scratch page (0).
+    for keys in got[real * query_len:]:
+        assert {k // BS for k in keys} <= {0}
+    # The device path (torch ops, here on CPU) writes the same buffers.
+    write_graph_step_device(buffers, torch.from_numpy(seq).int(), torch.from_numpy(table).int(),
+                            query_len, chunk, two_slots, 0, model_len)
+    n = step.num_batches
+    assert torch.equal(buffers.gpu["paged_kv_indptr"][: n + 1], step.paged_kv_indptr)
+    assert torch.equal(buffers.gpu["paged_kv_last_page_len"][:n], step.paged_kv_last_page_len)
+    assert torch.equal(buffers.gpu["paged_kv_indices"][: step.num_pages], step.paged_kv_indices)
+    if two_slots:
+        assert torch.equal(buffers.verify_use_first[: batch * query_len],
+                           torch.from_numpy(mask))
+
+
+def test_verify_straddling_window_uses_two_slots():
+    # c = 32, window of 4 ending at 34: positions 30, 31 | 32, 33.
+    buffers = MetadataBuffers(Capacity(2, 8), BS, verify_rows=4)
+    table = np.array([[5, 6, 7]])
+    step, mask = write_graph_step(buffers, np.array([34]), table, 4, 32, True, 0)
+    assert step.paged_kv_indptr.tolist() == [0, 3, 4]
+    assert step.paged_kv_last_page_len.tolist() == [2, 2]
+    assert step.paged_kv_indices.tolist() == [5, 6, 7, 7]
+    assert mask.tolist() == [True, True, False, False]
