@@ -37,6 +37,11 @@ class FullAttentionSpec:
             value = getattr(self, name)
             if int(value) <= 0:
                 raise ValueError(f"{type(self).__name__}.{name} must be positive, got {value}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"{type(self).__name__}.dtype must be a torch.dtype, "
+                             f"got {self.dtype!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         chunk = self.attention_chunk_size
         if chunk is not None and (chunk <= 0 or chunk % self.block_size):
             raise ValueError(
@@ -76,8 +81,14 @@ def chunk_size_of(spec) -> int | None:
 
 
 def needs_global_pages(spec) -> bool:
-    """Whether some layer reading this spec attends over the whole sequence."""
-    return chunk_size_of(spec) is None or bool(getattr(spec, "has_global_layers", False))
+    """Whether some layer reading this spec attends over the whole sequence.
+
+    A chunked spec that does not say (a duck-typed spec without
+    ``has_global_layers``) is assumed to be read by global layers too: sizing
+    pages for whole sequences is safe, sizing them for one chunk is the
+    under-allocation vLLM PR 50022 warns about (2250 -> 512 pages).
+    """
+    return chunk_size_of(spec) is None or bool(getattr(spec, "has_global_layers", True))
 
 
 def merge(specs) -> FullAttentionSpec:
