@@ -32,6 +32,8 @@ class GenerateStats:
     seconds: float
     peak_virtual_batches: int
     preemptions: int
+    draft_tokens: int
+    accepted_tokens: int
     peak_blocks: dict
 
     def summary(self) -> str:
@@ -40,7 +42,8 @@ class GenerateStats:
                 f"tokens in {self.seconds:.2f} s ({tps:.0f} tokens/s, "
                 f"{self.new_tokens / max(self.seconds, 1e-9):.1f} new tokens/s), {self.steps} "
                 f"steps, peak virtual batches per step {self.peak_virtual_batches}, "
-                f"preemptions {self.preemptions}, peak KV blocks {self.peak_blocks}")
+                f"preemptions {self.preemptions}, drafts accepted {self.accepted_tokens}/"
+                f"{self.draft_tokens}, peak KV blocks {self.peak_blocks}")
 
 
 class LLM:
@@ -132,6 +135,7 @@ class LLM:
                 raise ValueError(
                     f"num_kv_blocks={size} for the {name} KV group cannot hold one request: "
                     f"max_model_len {self.max_model_len} needs {need} blocks of {self.block_size}")
+        self.group_names = [name for name, *_ in groups]
         return [KVGroup(spec, size) for _, spec, size, _ in groups], kind_to_group
 
     def _backend(self, name, kind, group):
@@ -192,37 +196,56 @@ class LLM:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         token_lists, as_text = self._check_prompts(prompts, max_new_tokens)
         params = SamplingParams(max_new_tokens, float(temperature), bool(ignore_eos))
+        seqs = self._run(token_lists, params, use_tqdm)
+        outputs = [seq.output_ids for seq in seqs]
+        if as_text:
+            return [self.tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
+        return outputs
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompts, last_only: bool = False) -> list[torch.Tensor]:
+        """float32 logits [prompt_len, vocab] (or [1, vocab]) per prompt, from a normal
+        engine run (same batching, chunked prefill and KV paging as generate())."""
+        token_lists, _ = self._check_prompts(prompts, 1)
+        self.runner.capture, self.runner.capture_last_only = {}, last_only
+        try:
+            seqs = self._run(token_lists, SamplingParams(1, 0.0, True), use_tqdm=False)
+            return [torch.cat(self.runner.capture[s.seq_id]) for s in seqs]
+        finally:
+            self.runner.capture = None
+
+    def _run(self, token_lists, params, use_tqdm):
         seqs = []
         for ids in token_lists:
             seqs.append(Sequence(self._next_id, ids, params, len(self.groups)))
             self._next_id += 1
         for seq in seqs:
             self.scheduler.add(seq)
-        start, steps, peak_before = time.perf_counter(), 0, self.runner.peak_virtual_batches
+        sched = self.scheduler
+        start, steps = time.perf_counter(), 0
+        counters_before = (sched.num_preemptions, sched.num_draft_tokens, sched.num_accepted)
         self.runner.peak_virtual_batches = 0
-        preempt_before = self.scheduler.num_preemptions
         bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=use_tqdm is False,
                    delay=0.0 if use_tqdm else 2.0, file=sys.stderr)
-        while self.scheduler.has_work():
-            batch = self.scheduler.schedule()
+        while sched.has_work():
+            batch = sched.schedule()
             temps = np.full(len(batch.seqs), params.temperature)
             sampled = self.runner.run(batch, temps)
             if self.runner.peak_virtual_batches > self.max_virtual_batches:
                 raise RuntimeError(f"{self.runner.peak_virtual_batches} virtual batches in one "
                                    f"step exceed the bound {self.max_virtual_batches}")
-            bar.update(len(self.scheduler.postprocess(batch, sampled, self.eos_ids)))
+            bar.update(len(sched.postprocess(batch, sampled, self.eos_ids)))
             steps += 1
         shown = not bar.disable and (use_tqdm or time.perf_counter() - start > 2.0)
         bar.close()
+        preempted, drafted, accepted = (now - before for now, before in zip(
+            (sched.num_preemptions, sched.num_draft_tokens, sched.num_accepted),
+            counters_before, strict=True))
         self.last_stats = GenerateStats(
             len(seqs), sum(s.num_prompt_tokens for s in seqs),
             sum(s.num_generated for s in seqs), steps, time.perf_counter() - start,
-            self.runner.peak_virtual_batches, self.scheduler.num_preemptions - preempt_before,
-            {i: g.peak_used for i, g in enumerate(self.groups)})
-        self.runner.peak_virtual_batches = max(peak_before, self.runner.peak_virtual_batches)
+            self.runner.peak_virtual_batches, preempted, drafted, accepted,
+            {g: grp.peak_used for g, grp in zip(self.group_names, self.groups, strict=True)})
         if shown:
             print(self.last_stats.summary(), file=sys.stderr)
-        outputs = [seq.output_ids for seq in seqs]
-        if as_text:
-            return [self.tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
-        return outputs
+        return seqs

@@ -41,6 +41,11 @@ class ModelRunner:
         self.block_size = groups[0].block_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.peak_virtual_batches = 0
+        #: When a dict, run() stores the logits of every prompt position there,
+        #: by request id (see LLM.prompt_logits); ``capture_last_only`` keeps
+        #: just each prompt's last position.
+        self.capture: dict | None = None
+        self.capture_last_only = False
         self._bind_caches(kv_dtype)
 
     def _bind_caches(self, kv_dtype):
@@ -109,10 +114,27 @@ class ModelRunner:
         steps = self.build_steps(batch, inputs)
         hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
                             torch.from_numpy(inputs.positions).to(self.device), steps)
+        if self.capture is not None:
+            self._capture_prompt_logits(batch, inputs, hidden)
         tokens = self.sample(hidden[torch.from_numpy(inputs.logit_rows).to(self.device)],
                              temperatures[inputs.logit_owner])
         bounds = np.searchsorted(inputs.logit_owner, np.arange(len(batch.seqs) + 1))
         return [tokens[bounds[i]:bounds[i + 1]] for i in range(len(batch.seqs))]
+
+    def _capture_prompt_logits(self, batch, inputs, hidden):
+        prompt_len = np.repeat([s.num_prompt_tokens for s in batch.seqs],
+                               np.diff(inputs.query_start_loc))
+        keep = inputs.positions < prompt_len
+        if self.capture_last_only:
+            keep &= inputs.positions == prompt_len - 1
+        rows = np.flatnonzero(keep)
+        if rows.size == 0:
+            return
+        logits = self.logits(hidden[torch.from_numpy(rows).to(self.device)]).cpu()
+        owner = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1
+        for i in np.unique(owner):
+            seq = batch.seqs[int(i)]
+            self.capture.setdefault(seq.seq_id, []).append(logits[torch.from_numpy(owner == i)])
 
     def logits(self, hidden):
         return self.model.compute_logits(hidden).float()

@@ -62,6 +62,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -144,6 +146,8 @@ class Scheduler:
             while accepted < len(draft) and draft[accepted] == int(tokens[accepted]):
                 accepted += 1
             seq.num_computed += num_new - len(draft) + accepted
+            self.num_draft_tokens += len(draft)
+            self.num_accepted += accepted
             for token in [*draft[:accepted], int(tokens[accepted])]:
                 seq.token_ids.append(token)
                 stop = (token in eos_ids and not seq.params.ignore_eos)

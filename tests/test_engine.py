@@ -1,0 +1,189 @@
+"""chunklocal.LLM against transformers' Llama-4 on tiny random checkpoints (float32).
+
+Oracle: transformers' greedy ``generate`` (tokens) and full-sequence forward
+(logits).  The first test checks that this oracle really implements the chunk
+semantics ``k <= p and k // c == p // c`` on the lengths used here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from llama4_tiny import hf_greedy, hf_logits, rel_err, write_tiny_llama4
+
+import chunklocal
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Hidden size 64: one thread beats two (no fork/join per tiny matmul)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """4 layers (3 chunked RoPE + 1 global NoPE), c=32, MoE on layers 1 and 3, GQA 4/2."""
+    path = tmp_path_factory.mktemp("llama4_a")
+    return path, write_tiny_llama4(path, seed=0)
+
+
+@pytest.fixture(scope="module")
+def ckpt_b(tmp_path_factory):
+    """6 layers, c=16, two global layers, top-2 MoE on 0/2/5, GQA 4/1, llama3 RoPE."""
+    path = tmp_path_factory.mktemp("llama4_b")
+    model = write_tiny_llama4(
+        path, seed=1, num_hidden_layers=6, attention_chunk_size=16, num_key_value_heads=1,
+        no_rope_layers=[1, 1, 0, 1, 1, 0], moe_layers=[0, 2, 5], num_experts_per_tok=2,
+        rope_parameters=LLAMA3_ROPE, intermediate_size=48)
+    return path, model
+
+
+def prompts_of(lengths, seed=0, vocab=512):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def check_parity(llm, hf, prompts, max_new_tokens):
+    outputs = llm.generate(prompts, max_new_tokens=max_new_tokens)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        assert out == hf_greedy(hf, prompt, max_new_tokens), f"prompt {i} (len {len(prompt)})"
+    logits = llm.prompt_logits(prompts)
+    for i, (prompt, got) in enumerate(zip(prompts, logits, strict=True)):
+        assert got.shape == (len(prompt), hf.config.vocab_size)
+        assert rel_err(got, hf_logits(hf, prompt)) < 1e-4, f"prompt {i} (len {len(prompt)})"
+    return outputs
+
+
+def test_transformers_oracle_implements_chunk_semantics(ckpt, monkeypatch):
+    """HF's eager masks equal the dense chunk mask at prefill, and its cached decode
+    (sliding cache layers) equals its own full forward across a chunk boundary."""
+    from transformers.models.llama4 import modeling_llama4
+
+    _, hf = ckpt
+    c = hf.config.attention_chunk_size
+    seen = {}
+    original = modeling_llama4.eager_attention_forward
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = attention_mask[0, 0] == 0  # additive mask: 0 = visible
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(modeling_llama4, "eager_attention_forward", recording)
+    length = 100
+    hf_logits(hf, prompts_of([length])[0])
+    p = torch.arange(length)[:, None]
+    k = torch.arange(length)[None, :]
+    causal = k <= p
+    chunked = causal & (k // c == p // c)
+    for layer, mask in seen.items():
+        expected = chunked if hf.config.layer_types[layer] == "chunked_attention" else causal
+        assert torch.equal(mask, expected), f"layer {layer}"
+    assert set(seen) == set(range(hf.config.num_hidden_layers))
+    monkeypatch.undo()
+
+    prompt = prompts_of([2 * c - 4], seed=3)[0]
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True)
+    full = hf_logits(hf, out.sequences[0].tolist())
+    cached = torch.cat(out.logits)
+    assert rel_err(cached, full[len(prompt) - 1:-1]) < 1e-4
+
+
+def test_long_prompt_split_mid_chunk(ckpt):
+    path, hf = ckpt
+    llm = chunklocal.LLM(path, max_num_seqs=1, max_num_batched_tokens=20, max_model_len=256)
+    prompts = prompts_of([150], seed=1)
+    check_parity(llm, hf, prompts, 16)
+    stats = llm.last_stats  # from prompt_logits: the same prefill, 20 tokens a step
+    assert stats.steps == 8 and stats.peak_virtual_batches == 2
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "merged"])
+def test_concurrent_ragged_prompts(ckpt_b, hybrid):
+    path, hf = ckpt_b
+    llm = chunklocal.LLM(path, max_num_seqs=8, max_num_batched_tokens=96, max_model_len=256,
+                         hybrid_kv_cache=hybrid)
+    prompts = prompts_of([1, 3, 15, 16, 17, 31, 64, 90, 121, 7], seed=2)
+    check_parity(llm, hf, prompts, 10)
+    assert len(llm.groups) == (2 if hybrid else 1)
+
+
+def test_hybrid_chunked_group_keeps_one_chunk(ckpt):
+    path, _ = ckpt
+    llm = chunklocal.LLM(path, max_num_seqs=1, max_num_batched_tokens=20, max_model_len=512)
+    llm.generate(prompts_of([300], seed=4), max_new_tokens=20)
+    peak = llm.last_stats.peak_blocks
+    assert peak["global"] == -(-320 // 16)          # every page of the sequence
+    assert peak["chunked"] <= -(-(32 - 1 + 20) // 16)  # current chunk + in-flight tokens
+
+
+def test_speculative_k3_matches_k0(ckpt):
+    path, hf = ckpt
+    rng = random.Random(5)
+    prompts = []
+    for n in (40, 70, 25):
+        motif = [rng.randrange(512) for _ in range(6)]
+        prompts.append((motif * (n // 6 + 1))[:n])
+    prompts += prompts_of([33, 50], seed=6)
+    k0 = chunklocal.LLM(path, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    k3 = chunklocal.LLM(path, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                        num_speculative_tokens=3)
+    out3 = check_parity(k3, hf, prompts, 24)
+    assert out3 == k0.generate(prompts, max_new_tokens=24)
+    spec = k3.generate(prompts, max_new_tokens=24)
+    assert spec == out3
+    assert k3.last_stats.accepted_tokens > 0 and k3.last_stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "merged"])
+def test_preemption_under_a_tiny_pool(ckpt, hybrid):
+    path, hf = ckpt
+    llm = chunklocal.LLM(path, max_num_seqs=6, max_num_batched_tokens=64, max_model_len=128,
+                         num_kv_blocks=10, hybrid_kv_cache=hybrid)
+    prompts = prompts_of([40, 55, 30, 61, 20, 45], seed=7)
+    outputs = llm.generate(prompts, max_new_tokens=30)
+    assert llm.last_stats.preemptions > 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out == hf_greedy(hf, prompt, 30)
+    assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+def test_chunk_not_multiple_of_block_size(ckpt):
+    path, _ = ckpt
+    with pytest.raises(ValueError, match="not a multiple of block_size 24"):
+        chunklocal.LLM(path, block_size=24)
+
+
+def test_pool_too_small_for_one_request(ckpt):
+    path, _ = ckpt
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        chunklocal.LLM(path, max_model_len=256, num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([5] * 200, r"prompt 1: 200 tokens \+ max_new_tokens 8 exceed max_model_len 128"),
+    ([], "prompt 1 is empty"),
+    ([3, 512, 4], "prompt 1: token id 512 at index 1 is outside the vocabulary"),
+    ([3, -1], "prompt 1: token id -1 at index 1"),
+    ([1.5, 2.0], "prompt 1: expected a flat list of int token ids"),
+])
+def test_bad_prompt_rejected_before_any_work(ckpt, bad, message):
+    path, hf = ckpt
+    llm = chunklocal.LLM(path, max_num_seqs=4, max_model_len=128)
+    good = prompts_of([9, 14], seed=8)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([good[0], bad, good[1]], max_new_tokens=8)
+    assert not llm.scheduler.has_work()
+    assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+    assert llm.generate(good, max_new_tokens=8) == [hf_greedy(hf, p, 8) for p in good]
