@@ -276,10 +276,12 @@ class FlashInferBackend:
 
     # -------------------------------------------------------------- forward
     def forward(self, metadata, q: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, scale: float, *, chunked: bool | None = None):
+                v_cache: torch.Tensor, scale: float, *, chunked: bool | None = None,
+                out: torch.Tensor | None = None):
         """q [tokens, Hq, D]; caches [num_pages, block_size, Hkv, D] -> [tokens, Hq, D].
 
-        ``chunked`` picks the layer kind in a merged group (required there).
+        ``chunked`` picks the layer kind in a merged group (required there); ``out``
+        (optional, q's shape and dtype) receives the result.
         """
         if chunked is None:
             if len(self._kinds) != 1:
@@ -291,12 +293,13 @@ class FlashInferBackend:
         q_scale = None if scale == self.sm_scale else scale / self.sm_scale
         wrapper = metadata.wrappers[chunked]
         if wrapper is None:
-            return q.new_empty(q.shape)
+            return q.new_empty(q.shape) if out is None else out
         if isinstance(metadata, GraphMetadata) and metadata.two_slots[chunked]:
             b, n = metadata.batch_size, metadata.query_len
             pair = q.view(b, 1, n, *q.shape[1:]).expand(b, 2, n, *q.shape[1:])
-            out = wrapper.run(pair.reshape(2 * b * n, *q.shape[1:]), (k_cache, v_cache),
-                              q_scale=q_scale).view(b, 2, n, *q.shape[1:])
+            pair_out = wrapper.run(pair.reshape(2 * b * n, *q.shape[1:]), (k_cache, v_cache),
+                                   q_scale=q_scale).view(b, 2, n, *q.shape[1:])
             pick = metadata.use_first.view(b, n, 1, 1)
-            return torch.where(pick, out[:, 0], out[:, 1]).reshape(q.shape)
-        return wrapper.run(q, (k_cache, v_cache), q_scale=q_scale)
+            result = torch.where(pick, pair_out[:, 0], pair_out[:, 1]).reshape(q.shape)
+            return result if out is None else out.copy_(result)
+        return wrapper.run(q, (k_cache, v_cache), q_scale=q_scale, out=out)
