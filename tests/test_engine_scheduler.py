@@ -1,0 +1,172 @@
+"""Scheduler + block manager under random workloads, with a fake model (hypothesis).
+
+The fake model's next token is a fixed function of the whole prefix, so the
+right output of every request is known without the engine.  A fake KV store
+records which (request, position, token) each slot holds; every step checks
+that every key a query may see (its chunk for chunked groups, everything for
+global ones) is still there, uncorrupted by frees, reuse or preemption.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from chunklocal._validate import cdiv
+from chunklocal.engine.block_manager import BlockManager, KVGroup
+from chunklocal.engine.scheduler import Scheduler, propose_ngram
+from chunklocal.engine.sequence import SamplingParams, Sequence
+from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
+
+VOCAB = 11
+
+
+def next_token(prefix) -> int:
+    return (sum(prefix) * 7 + len(prefix) * 3) % VOCAB
+
+
+def unrolled(prompt, max_new):
+    tokens = list(prompt)
+    for _ in range(max_new):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+def code(seq_id, pos, token):
+    return (seq_id * 100_000 + pos) * VOCAB + token + 1
+
+
+class FakeRunner:
+    """Writes and checks fake KV like the real runner's slot mapping, then 'samples'."""
+
+    def __init__(self, groups, scheduler, limits):
+        self.groups, self.scheduler, self.limits = groups, scheduler, limits
+        self.kv = [np.zeros((g.num_blocks, g.block_size), dtype=np.int64) for g in groups]
+        self.preempt_seen = 0
+
+    def check_ownership(self):
+        for g, grp in enumerate(self.groups):
+            owned = [p for s in self.scheduler.running
+                     for p in s.block_tables[g][s.first_owned_page[g]:]]
+            assert len(owned) == len(set(owned)), "a page owned twice"
+            assert not set(owned) & set(grp.free_blocks), "an owned page is free"
+            assert len(owned) + len(grp.free_blocks) == grp.num_blocks, "a page leaked"
+
+    def run(self, batch):
+        max_seqs, max_tokens = self.limits
+        assert 0 < batch.num_tokens <= max_tokens
+        assert len(self.scheduler.running) <= max_seqs
+        self.check_ownership()
+        sampled = []
+        for seq, n, draft in zip(batch.seqs, batch.num_new, batch.drafts, strict=True):
+            view = seq.token_ids[:seq.num_computed + n - len(draft)] + draft
+            start = seq.num_computed
+            for g, grp in enumerate(self.groups):
+                bs, table = grp.block_size, seq.block_tables[g]
+                assert len(table) >= cdiv(start + n, bs)
+                for pos in range(start, start + n):
+                    self.kv[g][table[pos // bs], pos % bs] = code(seq.seq_id, pos, view[pos])
+                for p in range(start, start + n):
+                    first = 0 if grp.free_chunk is None else (p // grp.free_chunk) * grp.free_chunk
+                    for key in range(first, p + 1):
+                        assert key // bs >= seq.first_owned_page[g], "reads a freed page"
+                        stored = self.kv[g][table[key // bs], key % bs]
+                        assert stored == code(seq.seq_id, key, view[key]), "KV corrupted"
+            if start + n - len(draft) >= len(seq):
+                sampled.append(np.array([next_token(view[:start + n - len(draft) + j])
+                                         for j in range(len(draft) + 1)]))
+            else:
+                sampled.append(np.zeros(0, dtype=np.int64))
+        return sampled
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 70), min_size=1, max_size=10),
+    max_new=st.integers(1, 12),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 48),
+    block_size=st.sampled_from([4, 8]),
+    pages_per_chunk=st.sampled_from([1, 2, 4]),
+    spec_k=st.integers(0, 3),
+    hybrid=st.booleans(),
+    spare_blocks=st.integers(0, 12),
+    seed=st.integers(0, 1000),
+)
+def test_random_workloads_finish_with_right_tokens(lengths, max_new, max_num_seqs, budget,
+                                                   block_size, pages_per_chunk, spec_k,
+                                                   hybrid, spare_blocks, seed):
+    rng = np.random.default_rng(seed)
+    chunk = block_size * pages_per_chunk
+    max_model_len = max(lengths) + max_new
+    geometry = (block_size, 1, 8, torch.float32)
+    chunked = ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=chunk)
+    full = FullAttentionSpec(*geometry)
+    whole = cdiv(max_model_len, block_size)
+    if hybrid:
+        local = min(cdiv(chunk - 1 + budget, block_size), whole)
+        groups = [KVGroup(full, whole + spare_blocks), KVGroup(chunked, local + spare_blocks // 2)]
+    else:
+        groups = [KVGroup(merge([chunked, full]), whole + spare_blocks)]
+    scheduler = Scheduler(BlockManager(groups), max_num_seqs, budget, max_model_len, spec_k)
+    runner = FakeRunner(groups, scheduler, (max_num_seqs, budget))
+    # Repetitive prompts so that prompt lookup finds drafts, some of them right.
+    prompts = [rng.integers(0, 3, n).tolist() for n in lengths]
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    seqs = [Sequence(i, p, params, len(groups)) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    for _ in range(10_000):
+        if not scheduler.has_work():
+            break
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, runner.run(batch), frozenset())
+    assert not scheduler.has_work()
+    event(f"preempted: {scheduler.num_preemptions > 0}")
+    event(f"drafts accepted: {scheduler.num_accepted > 0}")
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.output_ids == unrolled(prompt, max_new)
+    for grp in groups:
+        assert len(grp.free_blocks) == grp.num_blocks
+
+
+def test_preemption_happens_and_recovers():
+    """A pool of exactly one whole request with 4 concurrent requests must preempt."""
+    block_size, chunk, max_new = 4, 8, 10
+    spec = FullAttentionSpec(block_size, 1, 8, torch.float32)
+    prompts = [[1, 2, 0, 1, 2] * 3, [2, 2, 1] * 4, [0, 1] * 7, [1] * 9]
+    max_model_len = max(map(len, prompts)) + max_new
+    groups = [KVGroup(spec, cdiv(max_model_len, block_size))]
+    scheduler = Scheduler(BlockManager(groups), 4, 64, max_model_len, 0)
+    runner = FakeRunner(groups, scheduler, (4, 64))
+    seqs = [Sequence(i, p, SamplingParams(max_new, ignore_eos=True), 1)
+            for i, p in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, runner.run(batch), frozenset())
+    assert scheduler.num_preemptions > 0
+    assert [s.output_ids for s in seqs] == [unrolled(p, max_new) for p in prompts]
+    assert chunk  # the chunk size plays no role for a global-only pool
+
+
+@given(tokens=st.lists(st.integers(0, 4), min_size=0, max_size=30), k=st.integers(0, 5))
+@settings(max_examples=200, deadline=None)
+def test_ngram_proposal_is_a_continuation_of_an_earlier_match(tokens, k):
+    draft = propose_ngram(tokens, k)
+    assert len(draft) <= k
+    if not draft:
+        # No proposal only if k == 0 or the last token never occurred before.
+        assert k == 0 or len(tokens) < 2 or tokens[-1] not in tokens[:-1] or \
+            tokens.index(tokens[-1]) == len(tokens) - 1
+        return
+    # Some earlier occurrence of a suffix of length >= 1 is followed by the draft.
+    found = False
+    for n in range(1, 4):
+        for i in range(len(tokens) - n):
+            if tokens[i:i + n] == tokens[-n:] and tokens[i + n:i + n + len(draft)] == draft:
+                found = True
+    assert found
