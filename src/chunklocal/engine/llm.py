@@ -80,14 +80,13 @@ class LLM:
         self.max_virtual_batches = (
             bounds.max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
                                        self.max_model_len) if chunk else self.max_num_seqs)
-        backends = {kind: self._backend(attention_backend, kind, groups[g])
-                    for kind, g in kind_to_group.items()}
+        backends = [self._backend(attention_backend, grp) for grp in groups]
         self.block_manager = BlockManager(groups)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.num_speculative_tokens)
         self.runner = ModelRunner(self.model, groups, kind_to_group, backends, self.device,
-                                  kv_dtype, seed)
+                                  kv_dtype, seed, chunk_size=chunk)
         eos = config.eos_token_id
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._tokenizer = None
@@ -138,14 +137,13 @@ class LLM:
         self.group_names = [name for name, *_ in groups]
         return [KVGroup(spec, size) for _, spec, size, _ in groups], kind_to_group
 
-    def _backend(self, name, kind, group):
-        chunk = self.config.attention_chunk_size if kind == CHUNKED else None
+    def _backend(self, name, group):
         if name == "auto":
             name = "flashinfer" if self.device.type == "cuda" else "torch"
         if name == "torch":
             from chunklocal.backends.torch_ref import TorchRefBackend
 
-            return TorchRefBackend(chunk, self.block_size)
+            return TorchRefBackend(group.spec)
         raise ValueError(f"unknown attention_backend {name!r} (expected 'auto' or 'torch')")
 
     # -- requests -----------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Turn a scheduled batch into model inputs, run one step, pick the next tokens.
 
 Per step the runner builds flat ``input_ids`` / ``positions``, and for every KV
-group one block table and one slot mapping; each attention kind reading that
-group gets exactly one ``backend.build()`` whose metadata all its layers share.
-Hybrid mode: chunked kind <- chunked group, global kind <- global group.
-Merged mode: both kinds read the single group's table (two builds, one table).
+group one block table, one slot mapping and exactly one ``backend.build()``,
+whose metadata all the group's layers share.  Hybrid mode: chunked layers read
+the chunked group, global layers the global group.  Merged mode: both kinds read
+the single group (the one build prepares both).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from chunklocal._validate import cdiv
 from chunklocal.engine.block_manager import KVGroup
 from chunklocal.engine.scheduler import ScheduledBatch
-from chunklocal.models.llama4 import AttentionStep
+from chunklocal.models.llama4 import CHUNKED, AttentionStep
 
 
 @dataclass
@@ -32,11 +32,12 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, groups: list[KVGroup], kind_to_group: dict[str, int],
-                 backends: dict[str, object], device, kv_dtype, seed: int = 0):
+                 backends: list, device, kv_dtype, seed: int = 0, chunk_size=None):
         self.model = model
         self.groups = groups
         self.kind_to_group = kind_to_group
-        self.backends = backends
+        self.backends = backends  # one per KV group
+        self.chunk_size = chunk_size
         self.device = torch.device(device)
         self.block_size = groups[0].block_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -90,22 +91,23 @@ class ModelRunner:
         return table
 
     def build_steps(self, batch: ScheduledBatch, inputs: StepInputs) -> dict[str, AttentionStep]:
-        to_dev = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         row_of_token = np.repeat(np.arange(len(batch.seqs)), np.diff(inputs.query_start_loc))
+        if self.chunk_size:
+            # Virtual batches of the step (a statistic; the backend makes its own).
+            qlens = np.diff(inputs.query_start_loc).astype(np.int64)
+            seq = inputs.seq_lens.astype(np.int64)
+            count = int(((seq - 1) // self.chunk_size - (seq - qlens) // self.chunk_size
+                         + 1)[qlens > 0].sum())
+            self.peak_virtual_batches = max(self.peak_virtual_batches, count)
         per_group = {}
-        for g in sorted(set(self.kind_to_group.values())):
+        for g, backend in enumerate(self.backends):
             table = self._block_table(batch, g, inputs.seq_lens)
             pages = table[row_of_token, inputs.positions // self.block_size].astype(np.int64)
             slots = pages * self.block_size + inputs.positions % self.block_size
-            per_group[g] = (table, to_dev(slots))
-        steps = {}
-        for kind, g in self.kind_to_group.items():
-            table, slots = per_group[g]
-            metadata = self.backends[kind].build(inputs.query_start_loc, inputs.seq_lens, table)
-            self.peak_virtual_batches = max(self.peak_virtual_batches,
-                                            int(getattr(metadata, "num_batches", 0)))
-            steps[kind] = AttentionStep(self.backends[kind], metadata, slots)
-        return steps
+            metadata = backend.build(inputs.query_start_loc, inputs.seq_lens, table)
+            per_group[g] = (metadata, torch.from_numpy(slots).to(self.device))
+        return {kind: AttentionStep(self.backends[g], *per_group[g], chunked=kind == CHUNKED)
+                for kind, g in self.kind_to_group.items()}
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, temperatures: np.ndarray) -> list[np.ndarray]:

@@ -29,9 +29,10 @@ CHUNKED, GLOBAL = "chunked", "global"
 class AttentionStep:
     """What every layer of one attention kind needs for one step."""
 
-    backend: Any            # object with forward(metadata, q, k_cache, v_cache, scale)
-    metadata: Any           # built once per step by backend.build()
+    backend: Any            # forward(metadata, q, k_cache, v_cache, scale, chunked=...)
+    metadata: Any           # built once per step and KV group by backend.build()
     slot_mapping: torch.Tensor  # [tokens] int64: flat cache row of each token's K/V
+    chunked: bool           # which layer kind of the group's metadata to use
 
 
 def load_text_config(model_dir):
@@ -171,7 +172,8 @@ class Attention(nn.Module):
         flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
-        out = step.backend.forward(step.metadata, q, self.k_cache, self.v_cache, self.scale)
+        out = step.backend.forward(step.metadata, q, self.k_cache, self.v_cache, self.scale,
+                                   chunked=step.chunked)
         return self.o_proj(out.reshape(t, -1).to(x.dtype))
 
 
