@@ -1,0 +1,117 @@
+"""`chunklocal plan` and `chunklocal demo` (stage 1)."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from oracle import dense_chunked_attention
+
+from chunklocal import cli, demo, make_virtual_batches, sizing
+from chunklocal.reference import reference_attention
+
+REPORTER = ["--max-num-seqs", "1", "--max-num-batched-tokens", "36000", "--max-model-len",
+            "36000", "--chunk-size", "8192", "--block-size", "16"]
+
+
+def run_cli(capsys, *argv):
+    rc = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_plan_json_on_reporters_config(capsys):
+    rc, out, _ = run_cli(capsys, "plan", *REPORTER, "--json")
+    assert rc == 0
+    result = json.loads(out)
+    assert result["virtual_batches"]["ours"] == 5
+    buffers = {row["buffer"]: row for row in result["buffers"]}
+    indptr = buffers["paged_kv_indptr"]
+    # Numbers from vLLM PR 50022's table: indptr 2 -> 8, indices 2250 -> 3584.
+    assert (indptr["max_num_seqs_sized"], indptr["published"], indptr["ours"]) == (2, 8, 6)
+    assert indptr["overflows"] and buffers["paged_kv_last_page_len"]["overflows"]
+    assert buffers["qo_indptr"]["ours"] == 6
+    indices = buffers["paged_kv_indices"]
+    assert (indices["max_num_seqs_sized"], indices["published"]) == (2250, 3584)
+    # The 36000-token request's local pages are exactly cdiv(36000, 16).
+    assert indices["ours"] == 2250 and not indices["overflows"]
+
+
+def test_plan_sizes_cover_the_reporters_actual_batch():
+    seq = 36000
+    vb = make_virtual_batches([0, seq], [seq], np.arange(2250)[None], 8192, 16)
+    rows = {r.buffer: r for r in sizing.buffer_rows(1, 36000, 36000, 8192, 16)}
+    assert rows["paged_kv_indptr"].max_num_seqs_sized < vb.num_batches + 1
+    assert rows["paged_kv_indptr"].ours >= vb.num_batches + 1
+    assert rows["paged_kv_last_page_len"].ours >= vb.num_batches
+    assert rows["paged_kv_indices"].ours >= int((-(-vb.seq_lens // 16)).sum())
+
+
+def test_plan_second_published_config():
+    # PR 50022: max_model_len=131072, T=8192, N=256, c=8192, bs=16: indptr 257 -> 514,
+    # indices unchanged.
+    result = sizing.plan(256, 8192, 131072, 8192, 16)
+    buffers = {row["buffer"]: row for row in result["buffers"]}
+    assert buffers["paged_kv_indptr"]["max_num_seqs_sized"] == 257
+    assert buffers["paged_kv_indptr"]["published"] == 514
+    indices = buffers["paged_kv_indices"]
+    assert indices["published"] == indices["max_num_seqs_sized"] == 256 * 8192
+
+
+def test_plan_text_table(capsys):
+    rc, out, _ = run_cli(capsys, "plan", *REPORTER)
+    assert rc == 0
+    lines = out.splitlines()
+    assert "published bound 7, ours 5" in out
+    row = next(line for line in lines if line.startswith("paged_kv_indptr"))
+    assert row.split() == ["paged_kv_indptr", "2", "8", "6", "YES"]
+    row = next(line for line in lines if line.startswith("paged_kv_indices"))
+    assert row.split() == ["paged_kv_indices", "2250", "3584", "2250", "no"]
+
+
+def test_plan_defaults_to_reporters_config(capsys):
+    assert run_cli(capsys, "plan")[1] == run_cli(capsys, "plan", *REPORTER)[1]
+
+
+def test_plan_rejects_bad_config(capsys):
+    rc, _, err = run_cli(capsys, "plan", "--chunk-size", "100")
+    assert rc == 2 and "chunk_size 100 is not a multiple of block_size 16" in err
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--max-num-seqs", "0"])
+
+
+def test_demo_runs_end_to_end(capsys):
+    """The whole default demo (about 10 s on 2 cores)."""
+    rc, out, _ = run_cli(capsys, "demo")
+    assert rc == 0, out
+    assert "-> 5 virtual batches" in out
+    assert "ValueError: provided out is the wrong size for the accumulation" in out
+    assert "our paged_kv_indptr (6 entries): [0, 512, 1024, 1536, 2048, 2250]" in out
+    assert "(OK, tolerance 1e-05)" in out
+
+
+def small_scenario():
+    return demo.reporter_scenario(seq_len=700, chunk_size=256, block_size=16, num_q_heads=4,
+                                  num_kv_heads=1, head_dim=16, seed=3)
+
+
+def test_demo_oracle_agrees_with_test_oracle():
+    sc = small_scenario()
+    rows = demo.sample_rows(700, 256, 20)
+    assert {255, 256, 257, 511, 512, 513, 0, 699} <= set(rows.tolist())
+    want = dense_chunked_attention(sc.q, sc.k_cache, sc.v_cache, sc.query_start_loc,
+                                   sc.seq_lens, sc.block_table, 256)[rows]
+    torch.testing.assert_close(demo.dense_oracle_rows(sc, rows), want, atol=1e-12, rtol=0)
+
+
+def test_demo_check_catches_a_wrong_attention(monkeypatch, capsys):
+    sc = small_scenario()
+    assert demo.run_attention_demo(sc) < demo.TOLERANCE
+    # Plain causal attention instead of chunked: the check must fail.
+    monkeypatch.setattr(demo, "reference_attention",
+                        partial(lambda *a, chunk_size: reference_attention(*a)))
+    assert demo.run_attention_demo(sc) > demo.TOLERANCE
+    assert "FAIL" in capsys.readouterr().out
