@@ -191,6 +191,9 @@ def test_without_chunking_sizes_are_plain():
     assert bounds.max_virtual_batches(256, 100, None, 131072) == 100
     assert bounds.max_local_pages(256, 8192, None, 131072, 16) == 256 * 8192
     assert bounds.max_verify_batches(256, 3, None, 131072) == 256
+    assert bounds.max_verify_batches_of_length(256, 3, None, 4, 131072) == 256
+    assert bounds.max_verify_batches_of_length(256, 3, None, 2, 131072) == 0
+    assert bounds.max_uniform_verify_batches(256, 3, None, 131072) == 256
     limits = EngineLimits(256, 8192, 131072, 16)
     spec = FullAttentionSpec(16, 8, 128, torch.bfloat16)
     sizes = bounds.buffer_sizes(spec, limits)
@@ -223,6 +226,18 @@ def test_verify_counts_for_llama4_chunk():
     assert bounds.max_verify_batches(4, 3, 8192, max_model_len=8192) == 4  # L <= c: no split
     assert bounds.max_verify_batches_of_length(4, 3, 8192, 2, 131072) == 8
     assert bounds.max_verify_batches_of_length(4, 3, 8192, 5, 131072) == 0
+
+
+def test_verify_without_model_len_is_unbounded_model_len():
+    for chunk, k in itertools.product([1, 2, 3, 7, 16], range(0, 40)):
+        huge = 10 * (k + chunk)
+        assert bounds.max_verify_batches(3, k, chunk) == \
+            bounds.max_verify_batches(3, k, chunk, huge)
+        assert bounds.max_uniform_verify_batches(3, k, chunk) == \
+            bounds.max_uniform_verify_batches(3, k, chunk, huge)
+        for ell in range(1, k + 2):
+            assert bounds.max_verify_batches_of_length(3, k, chunk, ell) == \
+                bounds.max_verify_batches_of_length(3, k, chunk, ell, huge)
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 4, 5, 8])

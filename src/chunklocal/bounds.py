@@ -61,7 +61,7 @@ def _limits(max_num_seqs, max_num_batched_tokens, chunk_size, max_model_len, blo
         if chunk is not None:
             check_chunk_geometry(chunk, block_size)
     if max_model_len is None:
-        # q <= T, so L = T + c (a whole number of pages) leaves every per-request cap slack.
+        # q <= T, so any L >= T + c leaves every per-request cap slack.
         model_len = tokens + (chunk or 0) + (block_size or 1)
     else:
         model_len = _positive("max_model_len", max_model_len)
@@ -109,9 +109,13 @@ def max_virtual_batches(max_num_seqs: int, max_num_batched_tokens: int, chunk_si
                         max_model_len: int | None = None) -> int:
     """Exact max of virtual batches in one step (any mix of prefill and decode).
 
-    n + min(n, T - n) + min(floor((T - n - f) / c), f (K - 1)), n = min(N, T),
-    f = min(n, T - n) if K >= 1 else 0; min(N, T) without chunking.  Proof: a
-    request with x >= 1 crossed boundaries costs q >= (x - 1) c + 2 tokens.
+    n + f + min(floor((T - n - f) / c), f (K - 1)) with n = min(N, T) and
+    f = min(n, T - n) if K >= 1 else 0; for L > c and 2N < T that is
+    2N + min(floor((T - 2N) / c), N (K - 1)).  Without chunking: min(N, T).
+    Proof: a request is 1 + x virtual batches, x <= min(cdiv(q - 1, c), K)
+    crossed boundaries, so its first crossing costs 1 token and each later one
+    c; buy the cheap ones first (:func:`_stepped`); one more request never
+    lowers the total.  Attained by :func:`witness_virtual_batches`.
     """
     n_max, tokens, chunk, model_len, _ = _limits(max_num_seqs, max_num_batched_tokens,
                                                  chunk_size, max_model_len)
@@ -124,9 +128,12 @@ def max_local_pages(max_num_seqs: int, max_num_batched_tokens: int, chunk_size: 
                     max_model_len: int | None, block_size: int) -> int:
     """Exact max of sum over virtual batches of cdiv(keys, bs) (paged_kv_indices length).
 
-    n base + extra, base = min(P, Lp) per request, extra = _stepped(n, T - n,
-    bs, Lp - base): past the first query token each bs tokens add one page, up
-    to Lp.  Without chunking every request reads cdiv(s, bs) pages: min(N, T) Lp.
+    A request reads cdiv(o + q, bs) <= min(P + cdiv(q - 1, bs), Lp) pages
+    (o <= c - 1 and o + q <= s <= L), so n = min(N, T) requests give n base +
+    _stepped(n, T - n, bs, Lp - base) with base = min(P, Lp): past the first
+    query token each bs tokens add one page, up to Lp.  Without chunking every
+    request reads cdiv(s, bs) pages: min(N, T) Lp.  Attained by
+    :func:`witness_local_pages`.
     """
     n_max, tokens, chunk, model_len, block_size = _limits(
         max_num_seqs, max_num_batched_tokens, chunk_size, max_model_len, block_size)
@@ -188,7 +195,7 @@ def _verify_limits(max_num_seqs, num_draft_tokens, chunk_size, max_model_len,
             raise ValueError(f"a verify step of {q} tokens per request exceeds "
                              f"max_num_batched_tokens {tokens}")
         n = min(n_max, tokens // q)
-    # Without L, L = q + 2c never binds: every placement below starts before 2c.
+    # Without L, L = q + 2c never binds: every placement used below ends by q + c.
     model_len = q + 2 * (chunk or 1) if max_model_len is None else \
         _positive("max_model_len", max_model_len)
     if q > model_len:
@@ -222,7 +229,9 @@ def _pieces_of_length(q: int, chunk: int | None, model_len: int, length: int):
     """
     if length < 1 or length > q or (chunk is not None and length > chunk):
         return 0, q
-    if chunk is None or length == q:
+    if chunk is None:
+        return int(length == q), q
+    if length == q:
         return 1, q  # one piece: s = q puts all q tokens in chunk 0 (q <= c here)
     if length == chunk:
         return q // chunk, q  # chunk-aligned; count * length <= q bounds any placement
