@@ -144,10 +144,12 @@ def format_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> 
     columns = list(columns or rows[0].keys())
     cells = [[_fmt(row.get(col, "")) for col in columns] for row in rows]
     widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
-    line = "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |"
+
+    def line(values):
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)) + " |"
+
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    body = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
-    return "\n".join([line, rule, *body])
+    return "\n".join([line(columns), rule, *(line(r) for r in cells)])
 
 
 def _fmt(value) -> str:

@@ -100,15 +100,22 @@ def mixed(prefills: int = 32, prefill_len: int = 256, decodes: int = 224,
 
 def useful_attention_flops(batch: Batch, chunk: int | None, num_q_heads: int = NUM_Q_HEADS,
                            head_dim: int = HEAD_DIM) -> float:
-    """4 * D * Hq * (keys seen, summed over query rows), counting only unmasked pairs."""
-    q = batch.query_lens.astype(np.int64)
-    s = batch.seq_lens.astype(np.int64)
-    total = 0
-    for qi, si in zip(q, s):  # setup only, not timed
-        pos = np.arange(si - qi, si, dtype=np.int64)
-        seen = pos + 1 if chunk is None else pos % chunk + 1
-        total += int(seen.sum())
-    return 4.0 * head_dim * num_q_heads * total
+    """4 * D * Hq * (keys seen, summed over query rows), counting only unmasked pairs.
+
+    A causal problem of q rows over k keys (bottom-right aligned) has rows that
+    see k - q + 1 .. k keys: q * k - q * (q - 1) / 2 pairs.  With chunking the
+    problems are the virtual batches.
+    """
+    if chunk is None:
+        q, k = batch.query_lens.astype(np.int64), batch.seq_lens.astype(np.int64)
+    else:
+        from chunklocal.virtual_batches import make_virtual_batches
+
+        vb = make_virtual_batches(batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                  chunk, BLOCK)
+        q, k = vb.query_lens.astype(np.int64), vb.seq_lens.astype(np.int64)
+    pairs = int((q * k - q * (q - 1) // 2).sum())
+    return 4.0 * head_dim * num_q_heads * pairs
 
 
 def kv_tokens_read(batch: Batch, chunk: int | None) -> int:

@@ -1,0 +1,120 @@
+"""The benchmark scripts run end to end at tiny sizes (--smoke) and write their JSON.
+
+CPU-capable scripts run here; the GPU-only ones are skipped without CUDA +
+flashinfer (their full runs live in BENCHMARKS.md).  The smoke runs still check
+numbers, not just exit codes: every attention output the kernel-floor script
+produces is compared with float64 on sampled rows inside the script, and the
+metadata build count must equal make_virtual_batches' count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import workloads as wl
+
+
+def _has_gpu_stack() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+gpu = pytest.mark.skipif(not _has_gpu_stack(), reason="needs CUDA and flashinfer")
+
+
+def _load(path):
+    data = json.loads(path.read_text())
+    assert data["errors"] == [], data["errors"]
+    assert data["machine"]["date_utc"]
+    return data
+
+
+def test_metadata_smoke(tmp_path):
+    from benchmarks import metadata
+
+    assert metadata.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = _load(tmp_path / "metadata_smoke.json")["rows"]
+    cases = metadata.cases(smoke=True)
+    assert len(rows) == 3 * len(cases)
+    from chunklocal.virtual_batches import make_virtual_batches
+
+    for batch in cases:
+        expected = make_virtual_batches(batch.query_start_loc, batch.seq_lens,
+                                        batch.block_table, wl.CHUNK, wl.BLOCK).num_batches
+        mine = [r for r in rows if r["case"] == batch.name]
+        assert {r["virtual_batches"] for r in mine} == {expected}
+        by_how = {r["build"]: r["build_us"] for r in mine}
+        assert all(v > 0 for v in by_how.values())
+        # 48 builds cost more than 2: the per-layer loop really ran.
+        assert by_how["per layer (36+12)"] > by_how["once per step"]
+
+
+def test_kernel_floor_smoke_cpu(tmp_path):
+    from benchmarks import kernel_floor
+
+    code = kernel_floor.main(["--smoke", "--device", "cpu", "--skip-flex",
+                              "--out", str(tmp_path)])
+    assert code == 0
+    data = _load(tmp_path / "kernel_floor_smoke.json")
+    assert len(data["rows"]) == 4
+    for row in data["rows"]:
+        assert row["chunklocal_rel_err"] < 1e-2 and row["sdpa_rel_err"] < 1e-2
+
+
+def test_engine_smoke(tmp_path):
+    from benchmarks import engine
+
+    code = engine.main(["--smoke", "--configs", "chunked+eager", "global+eager",
+                        "--out", str(tmp_path)])
+    assert code == 0
+    rows = _load(tmp_path / "engine_smoke.json")["rows"]
+    assert [r["engine"] for r in rows] == ["chunked+eager"] * 2 + ["global+eager"] * 2
+    assert all(r["tokens/s"] > 0 for r in rows)
+    # Chunked layers split the 80-token prompts (c = 32) into virtual batches.
+    assert rows[0]["peak_virtual_batches"] > rows[0]["requests"]
+
+
+def test_useful_flops_match_per_row_count():
+    batch = wl.chunked_prefills(3, 300, chunk=256)
+    rows = 0
+    for q, s in zip(batch.query_lens, batch.seq_lens, strict=True):
+        pos = np.arange(s - q, s)
+        rows += int((pos % 256 + 1).sum())
+    assert wl.useful_attention_flops(batch, 256) == 4.0 * wl.HEAD_DIM * wl.NUM_Q_HEADS * rows
+    full = int(sum(np.arange(s - q, s).sum() + q for q, s in
+                   zip(batch.query_lens, batch.seq_lens, strict=True)))
+    assert wl.useful_attention_flops(batch, None) == 4.0 * wl.HEAD_DIM * wl.NUM_Q_HEADS * full
+
+
+def test_workload_pages_read_are_distinct():
+    # The pages a chunked layer reads must not alias, or the kernel would hit the cache.
+    from benchmarks.direct import host_metadata
+
+    for batch in (wl.decode_local(64, full_chunks=True), wl.chunked_prefills(4, 1000)):
+        meta = host_metadata(batch.query_start_loc, batch.seq_lens, batch.block_table,
+                             wl.BLOCK, wl.CHUNK)
+        assert np.unique(meta.kv_indices).size == meta.kv_indices.size
+        assert meta.kv_indices.max() < batch.num_pages
+
+
+@gpu
+def test_cuda_graphs_smoke(tmp_path):
+    from benchmarks import cuda_graphs
+
+    assert cuda_graphs.main(["--smoke", "--out", str(tmp_path)]) == 0
+
+
+@gpu
+def test_kernel_floor_smoke_gpu(tmp_path):
+    from benchmarks import kernel_floor
+
+    assert kernel_floor.main(["--smoke", "--skip-flex", "--out", str(tmp_path)]) == 0
