@@ -83,13 +83,20 @@ def _tiles(qsl, seq, query_lens):
     return row_of_tile, qsl[row_of_tile] + local_start, rows, keys
 
 
-def _groups(rows, keys, cost_per_key_row: int, cost_per_key: int):
-    """Split tiles (sorted by key count) into consecutive groups within the budget."""
+def _groups(rows, keys, num_q_heads: int, num_kv_heads: int, head_dim: int):
+    """Split tiles (sorted by key count) into consecutive groups within the budget.
+
+    A group's elements: scores (rows x keys x Hq), gathered K and V (keys x Hkv x D
+    each), gathered queries and outputs (rows x Hq x D each), all padded to the
+    group's largest tile.  The cost only grows with the group, so one
+    searchsorted finds where each group ends.
+    """
     start, n = 0, rows.shape[0]
     while start < n:
         padded_rows = np.maximum.accumulate(rows[start:])
         count = np.arange(1, n - start + 1)
-        cost = count * keys[start:] * (padded_rows * cost_per_key_row + cost_per_key)
+        cost = count * (keys[start:] * (padded_rows * num_q_heads + 2 * num_kv_heads * head_dim)
+                        + padded_rows * 2 * num_q_heads * head_dim)
         stop = start + max(1, int(np.searchsorted(cost, _GROUP_BUDGET, side="right")))
         yield start, stop
         start = stop
@@ -107,8 +114,10 @@ def paged_causal_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     ``j`` of a row of ``q_m`` queries sees its first ``seq_lens[m] - q_m + j + 1``
     keys.  GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
 
-    ``q`` [T, Hq, D]; caches [num_pages, block_size, Hkv, D]; index arrays numpy
-    or torch.  Returns [T, Hq, D] in ``q.dtype``; rows outside
+    ``q`` [T, Hq, D]; caches [num_pages, block_size, Hkv, D] on any one device;
+    index arrays are host data (numpy, CPU torch tensors or lists, any int
+    dtype), checked and converted once, then copied to ``q.device`` per group
+    without syncs.  Returns [T, Hq, D] in ``q.dtype``; rows outside
     ``[query_start_loc[0], query_start_loc[-1])`` are zero.
     """
     _check_tensors(q, k_cache, v_cache)
@@ -136,7 +145,7 @@ def paged_causal_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     device = q.device
     as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     table_dev = as_dev(table)
-    for lo, hi in _groups(rows, keys, q.shape[1], 2 * num_kv_heads * head_dim):
+    for lo, hi in _groups(rows, keys, q.shape[1], num_kv_heads, head_dim):
         q_pad, k_pad = int(rows[lo:hi].max()), int(keys[hi - 1])
         j = np.arange(q_pad)
         valid = j[None, :] < rows[lo:hi, None]                      # [g, q_pad]
@@ -156,8 +165,10 @@ def paged_causal_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
         mask = as_dev(key_index[None, None, :] < limit[:, :, None])[:, None]
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=num_kv_heads != q.shape[1])
-        o = o.permute(0, 2, 1, 3)[as_dev(valid)]
-        out[as_dev(q_rows[valid])] = o.to(q.dtype)
+        # Integer (not boolean) indexing: no device sync on a GPU.
+        kept = np.flatnonzero(valid.ravel())
+        o = o.permute(0, 2, 1, 3).reshape(-1, q.shape[1], head_dim)[as_dev(kept)]
+        out[as_dev(q_rows.ravel()[kept])] = o.to(q.dtype)
     return out
 
 
