@@ -213,3 +213,24 @@ def test_bad_input_raises_value_error_and_changes_nothing(qsl, seq, table, chunk
         make_virtual_batches(qsl, seq, table, chunk, block)
     for old, new in zip(before, (qsl, seq, table), strict=True):
         np.testing.assert_array_equal(old, np.asarray(new))
+
+
+def test_docs_picture_example():
+    """docs/virtual_batches.md: s=10, q=7, c=4, bs=2, table [7, 3, 9, 1, 4] (worked by hand)."""
+    vb = check_against_token_oracle(qsl_of([7]), np.array([10]), np.array([[7, 3, 9, 1, 4]]),
+                                    4, 2)
+    np.testing.assert_array_equal(vb.query_start_loc, [0, 1, 5, 7])
+    np.testing.assert_array_equal(vb.seq_lens, [4, 4, 2])
+    np.testing.assert_array_equal(vb.block_table, [[7, 3], [9, 1], [4, 4]])
+    np.testing.assert_array_equal(vb.kv_start, [0, 4, 8])
+    np.testing.assert_array_equal(vb.request, [0, 0, 0])
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_rejected_tensor_inputs_are_unchanged(as_tensor):
+    qsl, seq, table = np.array([0, 2, 9]), np.array([3, 5]), np.arange(6).reshape(2, 3)
+    args = [torch.from_numpy(a.copy()) if as_tensor else a.copy() for a in (qsl, seq, table)]
+    with pytest.raises(ValueError, match=r"request 1: query length 7 exceeds seq_len 5"):
+        make_virtual_batches(*args, 4, 2)
+    for old, new in zip((qsl, seq, table), args, strict=True):
+        np.testing.assert_array_equal(old, np.asarray(new))

@@ -17,6 +17,7 @@ _EXPORTS = {
     "chunk_size_of": "kv_spec",
     "merge": "kv_spec",
     "reference_attention": "reference",
+    "paged_causal_attention": "reference",
     "max_virtual_batches": "bounds",
     "max_local_pages": "bounds",
     "max_verify_batches": "bounds",
