@@ -159,9 +159,9 @@ def make_virtual_batches(
         local_table = np.zeros((num_batches, pages_per_chunk), dtype=np.int64)
     else:
         local_table = table[request[:, None], columns]
-    bad = np.argwhere((local_table > _INT32_MAX) | (local_table < -_INT32_MAX - 1))
-    if bad.size:
-        m, col = bad[0]
+    if local_table.size and (local_table.max() > _INT32_MAX
+                             or local_table.min() < -_INT32_MAX - 1):
+        m, col = np.argwhere((local_table > _INT32_MAX) | (local_table < -_INT32_MAX - 1))[0]
         i, j = int(request[m]), int(columns[m, col])
         raise ValueError(f"request {i}: block_table[{i}, {j}] = {int(table[i, j])} does not "
                          "fit the int32 local block table")
