@@ -118,3 +118,12 @@ def test_kernel_floor_smoke_gpu(tmp_path):
     from benchmarks import kernel_floor
 
     assert kernel_floor.main(["--smoke", "--skip-flex", "--out", str(tmp_path)]) == 0
+
+
+def test_metadata_stages_smoke(tmp_path):
+    # The script asserts its proposals equal the library's arrays before timing them.
+    from benchmarks import metadata_stages
+
+    assert metadata_stages.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "metadata_stages_smoke.json").read_text())["rows"]
+    assert {r["layers"] for r in rows} == {"chunked", "global"}
