@@ -7,8 +7,12 @@ import operator
 import numpy as np
 
 
-def as_int_array(value, name: str, ndim: int) -> np.ndarray:
-    """Return ``value`` (numpy array, CPU torch tensor or sequence) as int64 numpy."""
+def as_int_array(value, name: str, ndim: int, keep_dtype: bool = False) -> np.ndarray:
+    """Return ``value`` (numpy array, CPU torch tensor or sequence) as int64 numpy.
+
+    ``keep_dtype=True`` keeps an integer array's own dtype (no copy), for arrays
+    that are only indexed, such as a wide block table.
+    """
     if hasattr(value, "device") and getattr(value.device, "type", "cpu") != "cpu":
         raise ValueError(f"{name} must be on the CPU, got a tensor on {value.device}")
     if hasattr(value, "numpy") and not isinstance(value, np.ndarray):
@@ -23,6 +27,8 @@ def as_int_array(value, name: str, ndim: int) -> np.ndarray:
         index = np.unravel_index(int(np.argmax(arr)), arr.shape)
         where = ", ".join(str(int(i)) for i in index)
         raise ValueError(f"{name}[{where}] = {int(arr[index])} does not fit int64")
+    if keep_dtype and arr.size:
+        return arr
     return arr.astype(np.int64, copy=False)
 
 

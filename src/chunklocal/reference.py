@@ -144,7 +144,7 @@ def paged_causal_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
 
     device = q.device
     as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    table_dev = as_dev(table)
+    table_dev = as_dev(table.astype(np.int64, copy=False))
     for lo, hi in _groups(rows, keys, q.shape[1], num_kv_heads, head_dim):
         q_pad, k_pad = int(rows[lo:hi].max()), int(keys[hi - 1])
         j = np.arange(q_pad)

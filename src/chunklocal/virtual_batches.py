@@ -42,14 +42,18 @@ class VirtualBatches:
 
 
 def validate_batch(query_start_loc, seq_lens, block_table, block_size: int):
-    """Check one step's batch description; return it as int64 numpy arrays.
+    """Check one step's batch description; return it as numpy arrays.
+
+    ``query_start_loc``, ``seq_lens`` and the query lengths come back as int64,
+    the block table in its own integer dtype (not copied).
 
     Raises ValueError naming the offending request and value.  Nothing is
     modified, so a rejected batch leaves every caller's state as it was.
     """
     qsl = as_int_array(query_start_loc, "query_start_loc", ndim=1)
     seq = as_int_array(seq_lens, "seq_lens", ndim=1)
-    table = as_int_array(block_table, "block_table", ndim=2)
+    # The table is only indexed: keep its dtype rather than copy it to int64 every step.
+    table = as_int_array(block_table, "block_table", ndim=2, keep_dtype=True)
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     num_reqs = seq.shape[0]
@@ -153,16 +157,20 @@ def make_virtual_batches(
     local_qsl[1:] += local_qsl[0]
 
     pages_per_chunk = c // block_size
-    columns = chunk_start[:, None] // block_size + np.arange(pages_per_chunk)
-    np.minimum(columns, max(table.shape[1] - 1, 0), out=columns)
-    if table.shape[1] == 0:
+    width = table.shape[1]
+    # One flat gather (np.take) is about twice as fast as 2-D fancy indexing here.
+    flat = (chunk_start // block_size)[:, None] + np.arange(pages_per_chunk)
+    np.minimum(flat, max(width - 1, 0), out=flat)
+    flat += (request * width)[:, None]
+    if width == 0:
         local_table = np.zeros((num_batches, pages_per_chunk), dtype=np.int64)
     else:
-        local_table = table[request[:, None], columns]
+        local_table = np.take(table.reshape(-1), flat)
     if local_table.size and (local_table.max() > _INT32_MAX
                              or local_table.min() < -_INT32_MAX - 1):
         m, col = np.argwhere((local_table > _INT32_MAX) | (local_table < -_INT32_MAX - 1))[0]
-        i, j = int(request[m]), int(columns[m, col])
+        i = int(request[m])
+        j = int(flat[m, col]) - i * width
         raise ValueError(f"request {i}: block_table[{i}, {j}] = {int(table[i, j])} does not "
                          "fit the int32 local block table")
 
