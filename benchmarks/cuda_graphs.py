@@ -133,17 +133,22 @@ def main(argv=None) -> int:
         return 0
     errors: list = []
     rows = []
+    name = "cuda_graphs_smoke" if args.smoke else "cuda_graphs"
+
+    def save():  # after every batch size, so a timeout keeps what was measured
+        return write_json(name, {"rows": rows, "errors": errors, "args": vars(args)}, args.out)
+
     for b in args.batch_sizes:
         row = guarded(f"B={b}", lambda b=b: run_batch(b, args), errors)
         if row:
             rows.append(row)
+            print(format_table([row]), flush=True)
+        save()
         torch.cuda.empty_cache()
     print(format_table(rows, ["batch", "eager_ms", "eager_forward_only_ms", "graph_host_md_ms",
                               "graph_device_md_ms", "speedup_host_md", "speedup_device_md",
                               "host_graph_rel_err", "device_graph_rel_err"]))
-    name = "cuda_graphs_smoke" if args.smoke else "cuda_graphs"
-    path = write_json(name, {"rows": rows, "errors": errors, "args": vars(args)}, args.out)
-    print(f"wrote {path}")
+    print(f"wrote {save()}")
     return 1 if errors else 0
 
 

@@ -70,7 +70,8 @@ def without_chunking(src: Path, dst: Path) -> None:
         link.symlink_to((src / "model.safetensors").resolve())
 
 
-def run_engine(model_dir: Path, label: str, cuda_graphs: bool, workloads, args) -> list[dict]:
+def run_engine(model_dir: Path, label: str, cuda_graphs: bool, workloads, args,
+               rows: list, save) -> None:
     import chunklocal
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,7 +84,6 @@ def run_engine(model_dir: Path, label: str, cuda_graphs: bool, workloads, args) 
     load_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     vocab = llm.config.vocab_size
-    rows = []
     for name, count, prompt_len, new in workloads:
         prompts = rng.integers(0, vocab, size=(count, prompt_len)).tolist()
         if device == "cuda":
@@ -107,10 +107,10 @@ def run_engine(model_dir: Path, label: str, cuda_graphs: bool, workloads, args) 
             "load_s": load_s,
         })
         print(format_table(rows[-1:]), flush=True)
+        save()
     del llm
     if device == "cuda":
         torch.cuda.empty_cache()
-    return rows
 
 
 def main(argv=None) -> int:
@@ -143,6 +143,12 @@ def main(argv=None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chunklocal-engine-"))
     errors: list = []
     rows: list = []
+    name = "engine_smoke" if args.smoke else "engine"
+
+    def save():  # after every run, so a timeout keeps what was measured
+        return write_json(name, {"model": shape, "rows": rows, "errors": errors,
+                                 "args": vars(args)}, args.out)
+
     try:
         chunked_dir, global_dir = workdir / "chunked", workdir / "global"
         start = time.perf_counter()
@@ -152,18 +158,15 @@ def main(argv=None) -> int:
         for config in args.configs:
             kind, mode = config.split("+")
             model_dir = chunked_dir if kind == "chunked" else global_dir
-            got = guarded(config, lambda d=model_dir, c=config, m=mode: run_engine(
-                d, c, m == "graphs", workloads, args), errors)
-            rows.extend(got or [])
+            guarded(config, lambda d=model_dir, c=config, m=mode: run_engine(
+                d, c, m == "graphs", workloads, args, rows, save), errors)
+            save()
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     print(format_table(rows, ["engine", "workload", "seconds", "tokens/s", "new_tokens/s",
                               "steps", "peak_virtual_batches", "load_s"]))
-    name = "engine_smoke" if args.smoke else "engine"
-    path = write_json(name, {"model": shape, "rows": rows, "errors": errors,
-                             "args": vars(args)}, args.out)
-    print(f"wrote {path}")
+    print(f"wrote {save()}")
     return 1 if errors else 0
 
 

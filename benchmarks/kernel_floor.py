@@ -194,21 +194,25 @@ def main(argv=None) -> int:
     chunk, todo = cases(args.smoke)
     time_ms = timer(args)
     rows = []
+    name = "kernel_floor_smoke" if args.smoke else "kernel_floor"
+
+    def save():  # after every case, so a timeout keeps what was measured
+        return write_json(name, {"ceilings": ceilings, "rows": rows, "errors": errors,
+                                 "chunk_size": chunk, "args": vars(args)}, args.out)
+
     for kind, batch in todo:
         row = guarded(batch.name, lambda k=kind, b=batch: run_case(k, b, chunk, ceilings, args,
                                                                     time_ms), errors)
         if row:
             rows.append(row)
             print(format_table([row]), flush=True)
+        save()
         if args.device == "cuda":
             torch.cuda.empty_cache()
     columns = ["case", "chunklocal_ms", "TFLOP/s", "TB/s", "fraction_of_ceiling",
                "full_causal/chunklocal", "flex/chunklocal", "sdpa/chunklocal", "virtual_batches"]
     print(format_table(rows, columns))
-    name = "kernel_floor_smoke" if args.smoke else "kernel_floor"
-    path = write_json(name, {"ceilings": ceilings, "rows": rows, "errors": errors,
-                             "chunk_size": chunk, "args": vars(args)}, args.out)
-    print(f"wrote {path}")
+    print(f"wrote {save()}")
     return 1 if errors else 0
 
 

@@ -105,17 +105,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     errors: list = []
     rows: list = []
+    name = "metadata_smoke" if args.smoke else f"metadata_{args.device}"
+
+    def save():  # after every case, so a timeout keeps what was measured
+        return write_json(name, {"rows": rows, "errors": errors, "args": vars(args)}, args.out)
+
     for batch in cases(args.smoke):
         got = guarded(batch.name, lambda b=batch: run_case(b, args, errors), errors)
         rows.extend(got or [])
+        save()
     columns = ["case", "implementation", "build", "build_us", "p10_us", "p90_us",
                "chunked_build_us", "global_build_us", "virtual_batches"]
     if args.device == "cuda":
         columns += ["attention_us_48_layers", "fraction_of_attention"]
     print(format_table(rows, columns))
-    name = "metadata_smoke" if args.smoke else f"metadata_{args.device}"
-    path = write_json(name, {"rows": rows, "errors": errors, "args": vars(args)}, args.out)
-    print(f"wrote {path}")
+    print(f"wrote {save()}")
     return 1 if errors else 0
 
 

@@ -3,8 +3,8 @@
 Times each stage of ``write_step`` for the 256-decode case (contexts 1k..128k)
 separately, and next to it a *proposal* (not library code): a decode-only
 chunked build that gathers each request's last-chunk pages straight from the
-caller's block table with one flat ``np.take`` (no int64 copy of the whole
-table, no [M, c / block] local table, one gather instead of two).  The proposal
+caller's block table with one flat ``np.take`` (no [M, c / block] local table,
+one gather of the pages actually read instead of two).  The proposal
 is checked to produce the same arrays as the library before it is timed.  For
 the global layers the proposal is one boolean-mask gather over the table (rows
 come out in row-major order, which is the kv_indices order).
@@ -57,7 +57,6 @@ def global_masked(seq_lens, block_table, block: int, out: dict) -> int:
 def main(argv=None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
-    from chunklocal._validate import as_int_array
     from chunklocal.metadata import MetadataBuffers, step_capacity, write_step
     from chunklocal.virtual_batches import make_virtual_batches, validate_batch
 
@@ -99,11 +98,6 @@ def main(argv=None) -> int:
         ("chunked", "  make_virtual_batches",
          lambda: make_virtual_batches(qsl, seq, table, wl.CHUNK, wl.BLOCK)),
         ("chunked", "    validate_batch", lambda: validate_batch(qsl, seq, table, wl.BLOCK)),
-        ("chunked", "      as_int_array(block_table) (int64 copy)",
-         lambda: as_int_array(table, "block_table", 2)),
-        ("chunked", "    local block table gather [M, c/bs]",
-         lambda: table[vb.request[:, None], vb.kv_start[:, None] // wl.BLOCK
-                       + np.arange(wl.CHUNK // wl.BLOCK)]),
         ("chunked", "  MetadataBuffers.write_host",
          lambda: cbuf.write_host(vb.query_lens, vb.seq_lens, zeros, slots, vb.block_table)),
         ("chunked", "proposal: decode_chunked_flat",
