@@ -60,6 +60,19 @@ def library_step_builders(batch: wl.Batch, device: str, chunk: int, block: int) 
     return StepBuilders("chunklocal (FlashInferBackend)", builders[0], builders[1], num_vb)
 
 
+def chunked_forward(batch: wl.Batch, chunk: int, block: int, inputs, **backend_kwargs):
+    """A planned chunked-layer forward on ``inputs`` (q, k, v) with other backend options."""
+    from chunklocal.backends.flashinfer import FlashInferBackend
+
+    q, k_cache, v_cache = inputs
+    backend = FlashInferBackend(specs(chunk, block)[0], limits_for(batch, block), wl.NUM_Q_HEADS,
+                                wl.NUM_KV_HEADS, wl.HEAD_DIM, torch.bfloat16, q.device,
+                                **backend_kwargs)
+    md = backend.build(batch.query_start_loc, batch.seq_lens, batch.block_table)
+    scale = wl.HEAD_DIM ** -0.5
+    return lambda: backend.forward(md, q, k_cache, v_cache, scale)
+
+
 def _host_only(batch: wl.Batch, limits: EngineLimits, chunk: int, block: int) -> StepBuilders:
     from chunklocal.metadata import MetadataBuffers, step_capacity, write_step
 

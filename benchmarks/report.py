@@ -15,6 +15,7 @@ from benchmarks.common import RESULTS_DIR, base_parser, format_table
 
 TABLES = {
     "kernel_floor": ["case", "chunklocal_ms", "TFLOP/s", "TB/s", "fraction_of_ceiling",
+                     "chunklocal_fa3_ms", "fa3_TFLOP/s", "fa3_fraction_of_ceiling",
                      "full_causal/chunklocal", "flex/chunklocal", "sdpa/chunklocal",
                      "virtual_batches", "chunklocal_rel_err"],
     "metadata_cpu": ["case", "build", "build_us", "p10_us", "p90_us", "chunked_build_us",
