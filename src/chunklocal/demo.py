@@ -1,5 +1,8 @@
 """`chunklocal demo`: the reporter's scenario of vLLM issue 49980, end to end on the CPU.
 
+Stages 1-2 below; stage 3 (the whole Llama-4 model served by chunklocal.LLM) is
+in :mod:`chunklocal.demo_model`.
+
 One 36000-token prompt, attention_chunk_size 8192, pages of 16 tokens, engine
 sized for max_num_seqs=1.  Stage 1 (this module): split it into virtual
 batches, run the reference attention for one chunked layer on random data,
@@ -154,6 +157,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-q-heads", type=int, default=4, help="default 4 (GQA group 4)")
     parser.add_argument("--num-kv-heads", type=int, default=1, help="default 1")
     parser.add_argument("--head-dim", type=int, default=64, help="default 64")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="serve this Llama-4 checkpoint instead of a random tiny one")
+    parser.add_argument("--device", default="cpu", help="cpu (torch reference) or cuda "
+                        "(FlashInfer, bf16)")
+    parser.add_argument("--prompt-len", type=int, default=36000, help="default 36000")
+    parser.add_argument("--new-tokens", type=int, default=32, help="default 32")
+    parser.add_argument("--check-transformers", action="store_true", default=None,
+                        help="compare logits with transformers (default: only for the "
+                        "random model)")
 
 
 def main(args) -> int:
@@ -171,4 +183,9 @@ def main(args) -> int:
                               sc.chunk_size, cfg["block_size"])
     show_overflow(vb.seq_lens, cfg["max_num_seqs"], cfg["block_size"],
                   result["virtual_batches"]["ours"])
-    return 0 if error < TOLERANCE else 1
+    print("\n== 3. the whole model, served by chunklocal.LLM ==")
+    from chunklocal.demo_model import run_engine_demo
+
+    engine_ok = run_engine_demo(args.model, args.device, args.prompt_len, args.new_tokens,
+                                args.seed, check_transformers=args.check_transformers)
+    return 0 if error < TOLERANCE and engine_ok else 1

@@ -223,6 +223,7 @@ class LLM:
         start, steps = time.perf_counter(), 0
         counters_before = (sched.num_preemptions, sched.num_draft_tokens, sched.num_accepted)
         self.runner.peak_virtual_batches = 0
+        self.runner.virtual_batches_per_step, self.runner.tokens_per_step = [], []
         bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=use_tqdm is False,
                    delay=0.0 if use_tqdm else 2.0, file=sys.stderr)
         while sched.has_work():

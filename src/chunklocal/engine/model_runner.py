@@ -42,6 +42,8 @@ class ModelRunner:
         self.block_size = groups[0].block_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.peak_virtual_batches = 0
+        self.virtual_batches_per_step: list[int] = []
+        self.tokens_per_step: list[int] = []
         #: When a dict, run() stores the logits of every prompt position there,
         #: by request id (see LLM.prompt_logits); ``capture_last_only`` keeps
         #: just each prompt's last position.
@@ -99,6 +101,7 @@ class ModelRunner:
             count = int(((seq - 1) // self.chunk_size - (seq - qlens) // self.chunk_size
                          + 1)[qlens > 0].sum())
             self.peak_virtual_batches = max(self.peak_virtual_batches, count)
+            self.virtual_batches_per_step.append(count)
         per_group = {}
         for g, backend in enumerate(self.backends):
             table = self._block_table(batch, g, inputs.seq_lens)
@@ -113,6 +116,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, temperatures: np.ndarray) -> list[np.ndarray]:
         """One forward step; the chosen tokens of each request (empty when none)."""
         inputs = self.prepare(batch)
+        self.tokens_per_step.append(int(inputs.query_start_loc[-1]))
         steps = self.build_steps(batch, inputs)
         hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
                             torch.from_numpy(inputs.positions).to(self.device), steps)

@@ -1,0 +1,138 @@
+"""`chunklocal demo`, stage 3: the reporter's scenario served end to end by chunklocal.LLM.
+
+A small random Llama-4 text model is written on the fly with transformers (fixed
+seed, c = 8192, Llama-4's layer pattern: three chunked RoPE layers then one
+global NoPE layer, MoE + shared expert on every other layer, narrow heads), or
+``--model DIR`` serves a real checkpoint.  One 36000-token prompt runs twice with
+max_num_seqs=1: with max_num_batched_tokens=36000 (the whole prefill in one step:
+5 virtual batches) and with 8192 (prefill split over 5 steps).  Both runs must
+give the same tokens; the last prompt position's logits are checked against
+transformers (its own model and cache, fed the prompt in pieces).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from chunklocal import bounds
+
+LOGITS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+def write_random_llama4(path, seed: int = 0, num_layers: int = 4) -> None:
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
+        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, attention_chunk_size=8192, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, max_position_embeddings=65536, initializer_range=0.1,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    Llama4ForCausalLM(config).save_pretrained(str(path))
+
+
+def describe(config) -> str:
+    kinds = ["chunked" if r else "global" for r in config.no_rope_layers]
+    moe = list(config.moe_layers)
+    return (f"{config.num_hidden_layers} layers {kinds}, MoE on layers {moe} "
+            f"({config.num_local_experts} experts, top-{config.num_experts_per_tok}, shared "
+            f"expert), {config.num_attention_heads}/{config.num_key_value_heads} heads of dim "
+            f"{config.head_dim}, hidden {config.hidden_size}, c={config.attention_chunk_size}")
+
+
+def summarize_steps(tokens, vbs) -> str:
+    """Run-length summary of (tokens, virtual batches) per step."""
+    runs = []
+    for pair in zip(tokens, vbs, strict=True):
+        if runs and runs[-1][0] == pair:
+            runs[-1][1] += 1
+        else:
+            runs.append([pair, 1])
+    return ", ".join(f"{n}x({t} tok, {v} vb)" if n > 1 else f"({t} tok, {v} vb)"
+                     for (t, v), n in runs)
+
+
+def transformers_last_logits(model_dir, prompt, device, dtype, piece: int = 2048):
+    """transformers' own Llama-4 and cache, prompt fed in pieces (its chunked prefill)."""
+    from transformers import DynamicCache, Llama4ForCausalLM
+
+    model = Llama4ForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                              attn_implementation="sdpa").to(device).eval()
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([prompt], device=device)
+    with torch.inference_mode():
+        for start in range(0, len(prompt), piece):
+            out = model(ids[:, start:start + piece], cache=cache, use_cache=True,
+                        logits_to_keep=1)
+    return out.logits[0, -1].float().cpu()
+
+
+def run_engine_demo(model_dir=None, device="cpu", prompt_len=36000, new_tokens=32,
+                    seed=0, num_layers=4, check_transformers=None) -> bool:
+    import chunklocal
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if model_dir is None:
+            model_dir = Path(tmp) / "random-llama4"
+            write_random_llama4(model_dir, seed, num_layers)
+            check_transformers = True if check_transformers is None else check_transformers
+        dtype = torch.bfloat16 if device == "cuda" else None
+        max_model_len = prompt_len + new_tokens
+        rng = random.Random(seed)
+        results, ok = {}, True
+        for budget in (prompt_len, 8192):
+            llm = chunklocal.LLM(model_dir, device=device, dtype=dtype, max_num_seqs=1,
+                                 max_num_batched_tokens=budget, max_model_len=max_model_len)
+            if not results:
+                config = llm.config
+                print(f"model: {describe(config)}")
+                prompt = [rng.randrange(config.vocab_size) for _ in range(prompt_len)]
+            bound = bounds.max_virtual_batches(1, budget, config.attention_chunk_size,
+                                               max_model_len)
+            # Keep the last prompt position's logits of the run (no extra pass).
+            llm.runner.capture, llm.runner.capture_last_only = {}, True
+            start = time.perf_counter()
+            out = llm.generate([prompt], max_new_tokens=new_tokens, ignore_eos=True,
+                               use_tqdm=False)[0]
+            seconds = time.perf_counter() - start
+            last = torch.cat(next(iter(llm.runner.capture.values())))[-1]
+            llm.runner.capture = None
+            stats = llm.last_stats
+            print(f"\nmax_num_seqs=1, max_num_batched_tokens={budget}: {stats.steps} steps in "
+                  f"{seconds:.1f} s, {(prompt_len + new_tokens) / seconds:.0f} tokens/s, "
+                  f"{new_tokens / seconds:.1f} new tokens/s")
+            steps = summarize_steps(llm.runner.tokens_per_step,
+                                    llm.runner.virtual_batches_per_step)
+            print(f"  per step: {steps}")
+            print(f"  peak virtual batches per step {stats.peak_virtual_batches} (bound "
+                  f"{bound}); peak KV blocks per group {stats.peak_blocks}")
+            results[budget] = (out, last)
+        (out_a, last_a), (out_b, last_b) = results.values()
+        same = out_a == out_b
+        print(f"\nsame {new_tokens} new tokens in both runs: {'yes' if same else 'NO'}  "
+              f"(first 8: {out_a[:8]})")
+        runs_err = float((last_a - last_b).abs().max() / last_b.abs().max())
+        print(f"last prompt position's logits, one-step vs 8192-token prefill: relative "
+              f"difference {runs_err:.2e}")
+        ok &= same
+        if check_transformers:
+            tol = LOGITS_TOLERANCE.get(next(llm.model.parameters()).dtype, 3e-2)
+            start = time.perf_counter()
+            ref = transformers_last_logits(model_dir, prompt, device,
+                                           next(llm.model.parameters()).dtype)
+            err = float((last_b - ref).abs().max() / ref.abs().max())
+            same_top = int(last_b.argmax()) == int(ref.argmax())
+            good = err < tol and same_top
+            print(f"last prompt position's logits vs transformers "
+                  f"({time.perf_counter() - start:.0f} s): relative error {err:.2e}, same argmax "
+                  f"{same_top} ({'OK' if good else 'FAIL'}, tolerance {tol:g})")
+            ok &= good
+        else:
+            print("transformers check skipped (--check-transformers to run it)")
+        return ok
