@@ -184,3 +184,46 @@ def test_unused_table_entries_may_be_junk():
     out = reference_attention(q, k, v, b["qsl"], b["seq"], b["table"], chunk_size=4)
     want = dense_chunked_attention(q, k, v, b["qsl"], b["seq"], b["table"], 4)
     torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+def _record_sdpa(monkeypatch):
+    calls = []
+    original = reference.F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        calls.append((q.shape, k.shape))
+        return original(q, k, v, **kwargs)
+
+    monkeypatch.setattr(reference.F, "scaled_dot_product_attention", recording)
+    return calls
+
+
+def test_many_requests_do_not_mean_many_kernel_calls(monkeypatch):
+    """Vectorised over rows: 200 decodes are one batched call, not 200."""
+    calls = _record_sdpa(monkeypatch)
+    n = 200
+    seq = np.arange(1, n + 1) % 37 + 1
+    b = dict(qsl=np.arange(n + 1), seq=seq, table=np.arange(n * 10).reshape(n, 10), chunk=16,
+             block=4, shape=(n * 10, 2, 4, 8), seed=11, extra_rows=0)
+    check_batch(b)
+    assert len(calls) == 1
+
+
+def test_memory_per_group_stays_within_budget(monkeypatch):
+    """A long prefill is processed in groups whose padded work fits the budget."""
+    calls = _record_sdpa(monkeypatch)
+    monkeypatch.setattr(reference, "_GROUP_BUDGET", 1 << 20)
+    seq_len, chunk, heads, kv_heads, dim = 3000, 1024, 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(seq_len, heads, dim, generator=gen)
+    k = torch.randn(750, 4, kv_heads, dim, generator=gen)
+    v = torch.randn_like(k)
+    table = torch.randperm(750, generator=gen)[None]
+    out = reference_attention(q, k, v, [0, seq_len], [seq_len], table, chunk_size=chunk)
+    assert len(calls) > 1 and max(q_shape[0] for q_shape, _ in calls) > 1
+    for (g, hq, q_pad, _), (_, hkv, k_pad, _) in calls:
+        elements = g * (k_pad * (q_pad * hq + 2 * hkv * dim) + q_pad * 2 * hq * dim)
+        assert g == 1 or elements <= reference._GROUP_BUDGET  # one tile always goes
+    rows = [0, 1023, 1024, 1025, 2047, 2048, 2999]
+    want = dense_chunked_attention(q, k, v, [0, seq_len], [seq_len], table, chunk)
+    torch.testing.assert_close(out[rows].double(), want[rows], atol=2e-6, rtol=0)
