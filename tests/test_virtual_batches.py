@@ -234,3 +234,9 @@ def test_rejected_tensor_inputs_are_unchanged(as_tensor):
         make_virtual_batches(*args, 4, 2)
     for old, new in zip((qsl, seq, table), args, strict=True):
         np.testing.assert_array_equal(old, np.asarray(new))
+
+
+def test_device_tensors_are_refused():
+    seq = torch.tensor([3], device="meta")
+    with pytest.raises(ValueError, match=r"seq_lens must be on the CPU.*meta"):
+        make_virtual_batches([0, 1], seq, Z(1, 2), 4, 2)
