@@ -6,6 +6,8 @@ fails to write cannot pass.  Page 0 is the scratch page: tables never use it.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -66,10 +68,17 @@ def run_eager(backend, q, k, v, qsl, seq, table, **kw):
 
 
 # ------------------------------------------------------------------- (a)
-def test_reporter_config_full_size():
+@pytest.mark.parametrize("prefill_backend", ["fa2", "auto"])
+def test_reporter_config_full_size(prefill_backend, request):
     """One 36000-token prompt, c=8192, bs=16, max_num_seqs=1, 40/8 heads, dim 128."""
+    if prefill_backend == "auto" and os.environ.get("CHUNKLOCAL_UNDER_SANITIZER"):
+        # Seen on the H200: FA3 ("auto" on sm90) returns ~20 wrong (row, head) pairs
+        # under memcheck (0 memory errors), exact without it; FA2 is exact in both.
+        request.applymarker(pytest.mark.xfail(reason="FA3 rows differ under memcheck",
+                                              strict=False))
     limits = EngineLimits(1, 36000, 36000, BS)
-    backend = FlashInferBackend(spec(8192), limits, HQ, HKV, D, DT, "cuda")
+    backend = FlashInferBackend(spec(8192), limits, HQ, HKV, D, DT, "cuda",
+                                prefill_backend=prefill_backend)
     k, v = kv_cache(2251, seed=0)
     table = tables(np.random.default_rng(0), 1, 2250, 2251)
     q = queries(36000, seed=1)
