@@ -83,10 +83,19 @@ def test_plan_rejects_bad_config(capsys):
         cli.main(["plan", "--max-num-seqs", "0"])
 
 
-def test_demo_runs_end_to_end(capsys):
-    """The whole default demo (about 10 s on 2 cores)."""
-    rc, out, _ = run_cli(capsys, "demo")
-    assert rc == 0, out
+def test_demo_stage1_on_the_reporters_scenario(capsys):
+    """Stage 1 of `chunklocal demo` on the full default scenario, through the same
+    functions its main() calls (about 5-10 s on 2 cores).  The whole-CLI run, with the
+    model stages, is tested with those stages."""
+    cfg = sizing.REPORTER_CONFIG
+    sc = demo.reporter_scenario()
+    assert demo.run_attention_demo(sc) < demo.TOLERANCE
+    result = demo.print_sizing()
+    vb = make_virtual_batches(sc.query_start_loc, sc.seq_lens, sc.block_table,
+                              sc.chunk_size, cfg["block_size"])
+    demo.show_overflow(vb.seq_lens, cfg["max_num_seqs"], cfg["block_size"],
+                       result["virtual_batches"]["ours"])
+    out = capsys.readouterr().out
     assert "-> 5 virtual batches" in out
     assert "ValueError: provided out is the wrong size for the accumulation" in out
     assert "our paged_kv_indptr (6 entries): [0, 512, 1024, 1536, 2048, 2250]" in out
