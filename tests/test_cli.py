@@ -8,6 +8,8 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oracle import dense_chunked_attention
 
 from chunklocal import cli, demo, make_virtual_batches, sizing
@@ -124,3 +126,41 @@ def test_demo_check_catches_a_wrong_attention(monkeypatch, capsys):
                         partial(lambda *a, chunk_size: reference_attention(*a)))
     assert demo.run_attention_demo(sc) > demo.TOLERANCE
     assert "FAIL" in capsys.readouterr().out
+
+
+@st.composite
+def limits_and_batch(draw):
+    block = draw(st.sampled_from([1, 2, 4]))
+    chunk = block * draw(st.integers(1, 4))
+    n_max = draw(st.integers(1, 4))
+    tokens = draw(st.integers(1, 40))
+    model_len = draw(st.integers(1, 40))
+    n = draw(st.integers(1, n_max))
+    query, seq = [], []
+    budget = tokens
+    for _ in range(n):
+        if budget == 0:
+            break
+        q = draw(st.integers(1, min(budget, model_len)))
+        s = draw(st.integers(q, model_len))
+        budget -= q
+        query.append(q)
+        seq.append(s)
+    return (n_max, tokens, model_len, chunk, block), query, seq
+
+
+@settings(max_examples=300, deadline=None)
+@given(limits_and_batch())
+def test_plan_sizes_hold_every_allowed_batch(case):
+    (n_max, tokens, model_len, chunk, block), query, seq = case
+    rows = {r.buffer: r for r in sizing.buffer_rows(n_max, tokens, model_len, chunk, block)}
+    width = -(-max(seq) // block)
+    table = np.arange(len(seq) * width).reshape(len(seq), width)
+    qsl = np.concatenate([[0], np.cumsum(query)])
+    vb = make_virtual_batches(qsl, seq, table, chunk, block)
+    pages = int((-(-vb.seq_lens.astype(np.int64) // block)).sum())
+    assert rows["qo_indptr"].ours >= vb.num_batches + 1
+    assert rows["paged_kv_indptr"].ours >= vb.num_batches + 1
+    assert rows["paged_kv_last_page_len"].ours >= vb.num_batches
+    assert rows["paged_kv_indices"].ours >= pages
+    assert rows["paged_kv_indptr"].published >= rows["paged_kv_indptr"].ours
