@@ -71,6 +71,22 @@ class LLM:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
 
+        backend_name = attention_backend
+        if backend_name == "auto":
+            backend_name = "flashinfer" if self.device.type == "cuda" else "torch"
+        if backend_name not in ("torch", "flashinfer"):
+            raise ValueError(f"unknown attention_backend {attention_backend!r} "
+                             "(expected 'auto', 'torch' or 'flashinfer')")
+        if backend_name == "flashinfer" and self.device.type != "cuda":
+            raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got {device}")
+        if dtype is None and backend_name == "flashinfer":
+            # FlashInfer kernels run in 16-bit; keep a 16-bit checkpoint dtype, else bf16.
+            config_dtype = getattr(config, "dtype", None)
+            config_dtype = getattr(torch, config_dtype, None) if isinstance(
+                config_dtype, str) else config_dtype
+            dtype = config_dtype if config_dtype in (torch.float16, torch.bfloat16) \
+                else torch.bfloat16
+        self.cuda_graphs = self.cuda_graphs and backend_name == "flashinfer"
         self.model = load_llama4(self.model_dir, self.device, dtype)
         kv_dtype = next(self.model.parameters()).dtype
         kinds = {layer.self_attn.kind for layer in self.model.layers}
@@ -80,13 +96,17 @@ class LLM:
         self.max_virtual_batches = (
             bounds.max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
                                        self.max_model_len) if chunk else self.max_num_seqs)
-        backends = [self._backend(attention_backend, grp) for grp in groups]
+        backends = [self._backend(backend_name, grp, g, kv_dtype)
+                    for g, grp in enumerate(groups)]
         self.block_manager = BlockManager(groups)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
-                                   self.num_speculative_tokens)
+                                   self.num_speculative_tokens, pad_drafts=self.cuda_graphs)
         self.runner = ModelRunner(self.model, groups, kind_to_group, backends, self.device,
                                   kv_dtype, seed, chunk_size=chunk)
+        if self.cuda_graphs:
+            self.runner.enable_cuda_graphs(backends[0].graph_batch_sizes,
+                                           backends[0].graph_query_lens)
         eos = config.eos_token_id
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._tokenizer = None
@@ -109,7 +129,7 @@ class LLM:
             per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
             budget = _CPU_KV_BYTES
             if self.device.type == "cuda":
-                budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.6)
+                budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.4)
             num_kv_blocks = min(self.max_num_seqs * whole_seq, max(whole_seq, budget // per_block))
         num_kv_blocks = int(num_kv_blocks)
         chunk = self.config.attention_chunk_size
@@ -137,14 +157,22 @@ class LLM:
         self.group_names = [name for name, *_ in groups]
         return [KVGroup(spec, size) for _, spec, size, _ in groups], kind_to_group
 
-    def _backend(self, name, group):
-        if name == "auto":
-            name = "flashinfer" if self.device.type == "cuda" else "torch"
+    def _backend(self, name, group, g, kv_dtype):
         if name == "torch":
             from chunklocal.backends.torch_ref import TorchRefBackend
 
             return TorchRefBackend(group.spec)
-        raise ValueError(f"unknown attention_backend {name!r} (expected 'auto' or 'torch')")
+        from chunklocal.backends.base import EngineLimits
+        from chunklocal.backends.flashinfer import FlashInferBackend
+
+        c = self.config
+        limits = EngineLimits(self.max_num_seqs, self.max_num_batched_tokens,
+                              self.max_model_len, self.block_size)
+        verify_len = self.num_speculative_tokens + 1 if self.num_speculative_tokens else None
+        return FlashInferBackend(
+            group.spec, limits, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            kv_dtype, self.device, self.cuda_graphs, verify_len=verify_len,
+            scratch_page=group.num_blocks, sm_scale=c.head_dim ** -0.5)
 
     # -- requests -----------------------------------------------------------------------------
     @property

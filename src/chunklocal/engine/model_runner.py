@@ -4,7 +4,8 @@ Per step the runner builds flat ``input_ids`` / ``positions``, and for every KV
 group one block table, one slot mapping and exactly one ``backend.build()``,
 whose metadata all the group's layers share.  Hybrid mode: chunked layers read
 the chunked group, global layers the global group.  Merged mode: both kinds read
-the single group (the one build prepares both).
+the single group (the one build prepares both).  Decode and verify steps replay
+a CUDA graph when one is captured for their shape (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class StepInputs:
     seq_lens: np.ndarray        # [N]
     logit_rows: np.ndarray      # rows whose logits choose tokens
     logit_owner: np.ndarray     # request of each logit row
+    num_drafts: np.ndarray      # [N] speculative tokens per request
 
 
 class ModelRunner:
@@ -49,13 +51,27 @@ class ModelRunner:
         #: just each prompt's last position.
         self.capture: dict | None = None
         self.capture_last_only = False
+        self.graphs = None
+        self.graph_steps = 0
         self._bind_caches(kv_dtype)
+
+    def scratch_page(self, g: int) -> int:
+        """A page past the group's pool: padding rows of graph steps write and read it."""
+        return self.groups[g].num_blocks
+
+    def enable_cuda_graphs(self, batch_sizes, query_lens) -> None:
+        from chunklocal.engine.cuda_graphs import CudaGraphs
+
+        self.graphs = CudaGraphs(self.model, self.backends, self.kind_to_group,
+                                 [self.scratch_page(g) for g in range(len(self.groups))],
+                                 self.block_size, batch_sizes, query_lens, self.device)
 
     def _bind_caches(self, kv_dtype):
         for layer in self.model.layers:
             attn = layer.self_attn
-            grp = self.groups[self.kind_to_group[attn.kind]]
-            shape = (grp.num_blocks, grp.block_size, attn.num_kv_heads, attn.head_dim)
+            g = self.kind_to_group[attn.kind]
+            shape = (self.groups[g].num_blocks + 1, self.block_size, attn.num_kv_heads,
+                     attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
 
@@ -82,7 +98,7 @@ class ModelRunner:
         offset = np.arange(logit_owner.shape[0]) - first_row[logit_owner]
         logit_rows = qsl[1:][logit_owner] - rows_per_seq[logit_owner] + offset
         return StepInputs(input_ids, positions, qsl.astype(np.int32),
-                          seq_lens.astype(np.int32), logit_rows, logit_owner)
+                          seq_lens.astype(np.int32), logit_rows, logit_owner, num_draft)
 
     def _block_table(self, batch: ScheduledBatch, g: int, seq_lens: np.ndarray) -> np.ndarray:
         width = max(1, int(cdiv(seq_lens.max(), self.block_size)))
@@ -92,24 +108,34 @@ class ModelRunner:
             table[row, :len(pages)] = pages
         return table
 
-    def build_steps(self, batch: ScheduledBatch, inputs: StepInputs) -> dict[str, AttentionStep]:
+    def _count_virtual_batches(self, inputs: StepInputs) -> None:
+        if not self.chunk_size:
+            return
+        # Virtual batches of the step (a statistic; each backend makes its own).
+        qlens = np.diff(inputs.query_start_loc).astype(np.int64)
+        seq = inputs.seq_lens.astype(np.int64)
+        count = int(((seq - 1) // self.chunk_size - (seq - qlens) // self.chunk_size
+                     + 1)[qlens > 0].sum())
+        self.peak_virtual_batches = max(self.peak_virtual_batches, count)
+        self.virtual_batches_per_step.append(count)
+
+    def group_inputs(self, batch: ScheduledBatch, inputs: StepInputs):
+        """Block table (numpy) and slot mapping (device) of every KV group."""
         row_of_token = np.repeat(np.arange(len(batch.seqs)), np.diff(inputs.query_start_loc))
-        if self.chunk_size:
-            # Virtual batches of the step (a statistic; the backend makes its own).
-            qlens = np.diff(inputs.query_start_loc).astype(np.int64)
-            seq = inputs.seq_lens.astype(np.int64)
-            count = int(((seq - 1) // self.chunk_size - (seq - qlens) // self.chunk_size
-                         + 1)[qlens > 0].sum())
-            self.peak_virtual_batches = max(self.peak_virtual_batches, count)
-            self.virtual_batches_per_step.append(count)
-        per_group = {}
-        for g, backend in enumerate(self.backends):
+        tables, slots = [], []
+        for g in range(len(self.groups)):
             table = self._block_table(batch, g, inputs.seq_lens)
             pages = table[row_of_token, inputs.positions // self.block_size].astype(np.int64)
-            slots = pages * self.block_size + inputs.positions % self.block_size
-            metadata = backend.build(inputs.query_start_loc, inputs.seq_lens, table)
-            per_group[g] = (metadata, torch.from_numpy(slots).to(self.device))
-        return {kind: AttentionStep(self.backends[g], *per_group[g], chunked=kind == CHUNKED)
+            slot = pages * self.block_size + inputs.positions % self.block_size
+            tables.append(table)
+            slots.append(torch.from_numpy(slot).to(self.device))
+        return tables, slots
+
+    def build_steps(self, inputs: StepInputs, tables, slots) -> dict[str, AttentionStep]:
+        metadata = [backend.build(inputs.query_start_loc, inputs.seq_lens, table)
+                    for backend, table in zip(self.backends, tables, strict=True)]
+        return {kind: AttentionStep(self.backends[g], metadata[g], slots[g],
+                                    chunked=kind == CHUNKED)
                 for kind, g in self.kind_to_group.items()}
 
     @torch.inference_mode()
@@ -117,9 +143,18 @@ class ModelRunner:
         """One forward step; the chosen tokens of each request (empty when none)."""
         inputs = self.prepare(batch)
         self.tokens_per_step.append(int(inputs.query_start_loc[-1]))
-        steps = self.build_steps(batch, inputs)
-        hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
-                            torch.from_numpy(inputs.positions).to(self.device), steps)
+        self._count_virtual_batches(inputs)
+        tables, slots = self.group_inputs(batch, inputs)
+        layout = None
+        if self.graphs is not None and self.capture is None:
+            layout = self.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
+        if layout is not None:
+            hidden = self.graphs.run(layout, inputs, tables, slots)
+            self.graph_steps += 1
+        else:
+            steps = self.build_steps(inputs, tables, slots)
+            hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
+                                torch.from_numpy(inputs.positions).to(self.device), steps)
         if self.capture is not None:
             self._capture_prompt_logits(batch, inputs, hidden)
         tokens = self.sample(hidden[torch.from_numpy(inputs.logit_rows).to(self.device)],

@@ -53,12 +53,15 @@ def propose_ngram(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, pad_drafts: bool = False):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
+        #: Pad every draft to its full length (CUDA-graph verify needs equal windows).
+        #: A filler token is accepted only when it is the greedy token anyway.
+        self.pad_drafts = pad_drafts
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -76,7 +79,10 @@ class Scheduler:
             return []  # drafts are verified greedily
         k = min(self.num_speculative_tokens, seq.remaining_new_tokens - 1,
                 self.max_model_len - len(seq))
-        return propose_ngram(seq.token_ids, k)
+        draft = propose_ngram(seq.token_ids, k)
+        if self.pad_drafts and 0 < k:
+            draft += [draft[-1] if draft else seq.token_ids[-1]] * (k - len(draft))
+        return draft
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

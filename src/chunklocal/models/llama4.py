@@ -115,7 +115,8 @@ class MoE(nn.Module):
         top_logit, top_index = torch.topk(logits, self.top_k, dim=1)
         top_score = torch.sigmoid(top_logit.float()).to(x.dtype)
         out = self.shared_expert(x)
-        if x.shape[0] <= self.DENSE_MAX_TOKENS:
+        if x.shape[0] <= self.DENSE_MAX_TOKENS or (
+                x.is_cuda and torch.cuda.is_current_stream_capturing()):
             scores = torch.zeros_like(logits).scatter_(1, top_index, top_score)
             routed = self.experts.run_all(scores.t().unsqueeze(-1) * x.unsqueeze(0))
             return out + routed.sum(0)
