@@ -24,7 +24,8 @@ from chunklocal._validate import as_int_array, cdiv
 from chunklocal.virtual_batches import make_virtual_batches, validate_batch
 
 _TILE_ROWS = 128
-# Elements of scores plus gathered keys and values allowed in one group.
+# Elements one group may use: scores, gathered K and V, gathered queries and outputs
+# (1 << 25 float32 elements = 128 MiB), padded to the group's largest tile.
 _GROUP_BUDGET = 1 << 25
 
 
