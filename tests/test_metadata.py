@@ -190,10 +190,10 @@ def test_reporter_config_reproduces_max_num_seqs_failure_and_passes_with_bounds(
 
 
 # ------------------------------------------------------ values vs oracle
-@settings(max_examples=40, deadline=None)
-@given(st.data(), st.sampled_from([None, 32, 64]))
-def test_eager_step_matches_chunk_rule(data, chunk):
-    qsl, seq, table = data.draw(random_batch())
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from([None, 32, 64]), st.booleans())
+def test_eager_step_matches_chunk_rule(data, chunk, decode_only):
+    qsl, seq, table = data.draw(random_batch(q_max=1 if decode_only else 150))
     buffers = MetadataBuffers(Capacity(1, 1), BS)  # grows: eager mode
     step = write_step(buffers, qsl, seq, table, np.diff(qsl), chunk)
     got = keys_from_metadata(step.qo_indptr.numpy(), step.paged_kv_indptr.numpy(),

@@ -208,15 +208,27 @@ class MetadataBuffers:
         host["qo_indptr"][0] = 0
         np.cumsum(q, out=host["qo_indptr"][1:num_batches + 1])
         host["paged_kv_last_page_len"][:num_batches] = kv - (pages - 1) * self.block_size
-        slot = np.repeat(np.arange(num_batches), pages)
-        column = (np.asarray(first_page, dtype=np.int64)[slot]
-                  + np.arange(num_pages) - kv_indptr[slot])
-        table = np.asarray(block_table)
-        real = ~padding[slot]
         indices = host["paged_kv_indices"][:num_pages]
-        indices[:] = scratch_page
+        table = np.asarray(block_table)
         if table.size:
-            indices[real] = table[rows[slot[real]], column[real]]
+            end = np.asarray(first_page, dtype=np.int64) + pages
+            bad = np.flatnonzero(~padding & (end > table.shape[1]))
+            if bad.size:
+                m = int(bad[0])
+                raise ValueError(f"{self.name}: slot {m} reads pages up to column "
+                                 f"{int(end[m]) - 1} of a {table.shape[1]}-column block table")
+            # Flat index of every page: one repeat and one add, then one gather.
+            index_type = np.int32 if table.size < 2**31 else np.int64
+            base = np.where(padding, 0, rows * table.shape[1]
+                            + np.asarray(first_page, dtype=np.int64))
+            flat = np.repeat((base - kv_indptr[:num_batches]).astype(index_type), pages)
+            flat += np.arange(num_pages, dtype=index_type)
+            if table.dtype == np.int32:
+                np.take(table.reshape(-1), flat, out=indices)
+            else:
+                indices[:] = np.take(table.reshape(-1), flat)
+        if padding.any() or not table.size:
+            indices[np.repeat(padding | (not table.size), pages)] = scratch_page
         mirrors = self.host[mirror_set]
         return HostStep(num_batches, num_pages, mirrors["qo_indptr"][:num_batches + 1],
                         mirrors["paged_kv_indptr"][:num_batches + 1],
@@ -356,14 +368,21 @@ def write_step(buffers: MetadataBuffers, qsl, seq, table, query_lens,
     """Eager step: virtual batches (chunked) or requests with queries (global) -> mirrors."""
     from chunklocal.virtual_batches import make_virtual_batches
 
+    query_lens = np.asarray(query_lens)
+    if chunk and query_lens.size and (query_lens == 1).all():
+        # Pure decode: one virtual batch per request, read straight from the
+        # request's own table (no [M, c / bs] local table to gather).
+        kv, first, rows = graph_slots(np.asarray(seq), 1, chunk, buffers.block_size, False)
+        buffers.ensure_capacity(kv.shape[0])
+        return buffers.write_host(query_lens, kv, first, rows, table)
     if chunk:
         vb = make_virtual_batches(qsl, seq, table, chunk, buffers.block_size)
         buffers.ensure_capacity(vb.num_batches)
         return buffers.write_host(vb.query_lens, vb.seq_lens, np.zeros(vb.num_batches, np.int64),
                                   np.arange(vb.num_batches), vb.block_table)
-    rows = np.flatnonzero(np.asarray(query_lens) > 0)
+    rows = np.flatnonzero(query_lens > 0)
     buffers.ensure_capacity(rows.size)
-    return buffers.write_host(np.asarray(query_lens)[rows], np.asarray(seq)[rows],
+    return buffers.write_host(query_lens[rows], np.asarray(seq)[rows],
                               np.zeros(rows.size, np.int64), rows, table)
 
 

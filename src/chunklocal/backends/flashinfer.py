@@ -209,6 +209,10 @@ class FlashInferBackend:
                                                      self.block_size)
         if qsl.size and qsl[0] != 0:
             raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
+        # Gather pages from the caller's int32 table itself: no int64 copy of it.
+        source = block_table.numpy() if isinstance(block_table, torch.Tensor) else block_table
+        if isinstance(source, np.ndarray) and source.dtype == np.int32:
+            table = source
         if graph_batch_size is not None:
             return self._build_graph(seq, table, query_lens, graph_batch_size)
         wrappers = {}
@@ -254,7 +258,7 @@ class FlashInferBackend:
         graph = self._graph(batch_size, query_len)
         padded = np.zeros(batch_size, np.int64)
         padded[:num_reqs] = seq
-        padded_table = np.zeros((batch_size, table.shape[1]), np.int64)
+        padded_table = np.zeros((batch_size, table.shape[1]), np.int32)
         padded_table[:num_reqs] = table
         for chunked, kind in self._kinds.items():
             step, mask = write_graph_step(kind.buffers, padded, padded_table, query_len,
