@@ -29,6 +29,9 @@ _EXPORTS = {
     "buffer_sizes": "bounds",
     "BufferSizes": "bounds",
     "EngineLimits": "backends.base",
+    "FlashInferBackend": "backends.flashinfer",
+    "MetadataBuffers": "metadata",
+    "CapacityError": "metadata",
     "LLM": "engine.llm",
 }
 
