@@ -24,13 +24,17 @@ from chunklocal import bounds
 LOGITS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-def write_random_llama4(path, seed: int = 0, num_layers: int = 4) -> None:
+def write_random_llama4(path, seed: int = 0, num_layers: int = 4, full_heads=False) -> None:
+    """Narrow heads for the CPU; ``full_heads``: Llama-4's 40/8 heads of dim 128 (GPU)."""
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
+    heads = dict(num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                 hidden_size=512) if full_heads else dict(
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, hidden_size=64)
     config = Llama4TextConfig(
-        vocab_size=1024, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
-        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, attention_chunk_size=8192, num_local_experts=4, num_experts_per_tok=1,
+        vocab_size=1024, intermediate_size=64, intermediate_size_mlp=128, **heads,
+        num_hidden_layers=num_layers, attention_chunk_size=8192, num_local_experts=4,
+        num_experts_per_tok=1,
         interleave_moe_layer_step=2, max_position_embeddings=65536, initializer_range=0.1,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
@@ -80,7 +84,7 @@ def run_engine_demo(model_dir=None, device="cpu", prompt_len=36000, new_tokens=3
     with tempfile.TemporaryDirectory() as tmp:
         if model_dir is None:
             model_dir = Path(tmp) / "random-llama4"
-            write_random_llama4(model_dir, seed, num_layers)
+            write_random_llama4(model_dir, seed, num_layers, full_heads=device == "cuda")
             check_transformers = True if check_transformers is None else check_transformers
         dtype = torch.bfloat16 if device == "cuda" else None
         max_model_len = prompt_len + new_tokens

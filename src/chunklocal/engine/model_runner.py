@@ -146,7 +146,7 @@ class ModelRunner:
         self._count_virtual_batches(inputs)
         tables, slots = self.group_inputs(batch, inputs)
         layout = None
-        if self.graphs is not None and self.capture is None:
+        if self.graphs is not None:
             layout = self.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
         if layout is not None:
             hidden = self.graphs.run(layout, inputs, tables, slots)
