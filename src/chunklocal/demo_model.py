@@ -72,7 +72,7 @@ def transformers_last_logits(model_dir, prompt, device, dtype, piece: int = 2048
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
         for start in range(0, len(prompt), piece):
-            out = model(ids[:, start:start + piece], cache=cache, use_cache=True,
+            out = model(ids[:, start:start + piece], past_key_values=cache, use_cache=True,
                         logits_to_keep=1)
     return out.logits[0, -1].float().cpu()
 
