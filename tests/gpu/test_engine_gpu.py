@@ -1,7 +1,11 @@
 """chunklocal.LLM on the GPU: FlashInfer + CUDA graphs vs transformers and vs the torch backend.
 
-bf16 throughout.  Greedy tokens are compared position by position (bf16 near-ties
-may flip a few), logits by relative max error.  Skips without CUDA or flashinfer.
+bf16.  On a random tiny model, transformers' own bf16 and float32 greedy runs agree
+on only ~50-80% of free-running positions: one near-tie flip changes every later
+prefix.  So the token criterion is per position with the prefix fixed (the
+engine's own output fed to transformers float32: is each token its greedy
+choice?); free-running agreement is printed.  Logits: relative max error.
+Skips without CUDA or flashinfer.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ def prompts_of(lengths, seed, vocab):
 
 
 def rel_err(a, b):
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).abs().max() / b.abs().max())
 
 
 def same_fraction(outs_a, outs_b):
@@ -41,19 +46,33 @@ def same_fraction(outs_a, outs_b):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama4_gpu")
+    # initializer_range 0.05: transformers' own bf16 greedy choices agree with its float32
+    # ones on ~98% of fixed-prefix positions (0.1: ~94%), so a 95% bar can be met at all.
     write_tiny_llama4(path, seed=0, hidden_size=256, num_attention_heads=8,
                       num_key_value_heads=2, head_dim=128, attention_chunk_size=64,
-                      intermediate_size=128, intermediate_size_mlp=256)
+                      intermediate_size=128, intermediate_size_mlp=256, initializer_range=0.05)
     from transformers import Llama4ForCausalLM
 
-    hf = Llama4ForCausalLM.from_pretrained(str(path), dtype=BF16,
-                                           attn_implementation="sdpa").cuda().eval()
-    return path, hf
+    load = lambda dtype: Llama4ForCausalLM.from_pretrained(  # noqa: E731
+        str(path), dtype=dtype, attn_implementation="sdpa").cuda().eval()
+    return path, load(BF16), load(torch.float32)
+
+
+def teacher_forced_agreement(hf, prompts, outputs):
+    """Share of generated positions where ``outputs`` holds transformers' greedy token
+    for the same prefix (the engine's own), so one flip does not cascade."""
+    same = total = 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        logits = hf(torch.tensor([prompt + out], device="cuda")).logits[0]
+        greedy = logits[len(prompt) - 1:len(prompt) + len(out) - 1].argmax(-1).tolist()
+        same += sum(a == b for a, b in zip(greedy, out, strict=True))
+        total += len(out)
+    return same / total
 
 
 @torch.inference_mode()
 def test_bf16_parity_with_transformers_flashinfer_graphs(tiny):
-    path, hf = tiny
+    path, hf, hf32 = tiny
     prompts = prompts_of([20, 63, 64, 65, 130, 200, 257, 300], seed=1, vocab=512)
     new = 24
     llm = chunklocal.LLM(path, device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
@@ -64,25 +83,38 @@ def test_bf16_parity_with_transformers_flashinfer_graphs(tiny):
     refs = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=new,
                         min_new_tokens=new, do_sample=False)[0, len(p):].tolist()
             for p in prompts]
-    frac = same_fraction(outs, refs)
-    print(f"\nbf16 greedy tokens equal to transformers on {frac:.1%} of "
-          f"{len(prompts) * new} positions; graph steps {llm.runner.graph_steps}")
-    assert frac >= 0.95
-    errs = []
+    forced = teacher_forced_agreement(hf32, prompts, outs)
+    floor = teacher_forced_agreement(hf32, prompts, refs)
+    print(f"\nfree-running bf16 tokens equal to transformers bf16 generate: "
+          f"{same_fraction(outs, refs):.1%} of {len(prompts) * new} positions "
+          f"(bf16 near-ties cascade); graph steps {llm.runner.graph_steps}")
+    print(f"fixed-prefix greedy agreement with transformers float32: ours {forced:.1%}, "
+          f"transformers bf16 {floor:.1%}")
+    assert forced >= 0.95
+    errs, errs16 = [], []
     for prompt, got in zip(prompts, llm.prompt_logits(prompts), strict=True):
-        ref = hf(torch.tensor([prompt], device="cuda")).logits[0]
-        errs.append(rel_err(got, ref))
-    print(f"prefill logits relative max error vs transformers: max {max(errs):.2e}")
-    assert max(errs) < 5e-2
+        ids = torch.tensor([prompt], device="cuda")
+        errs.append(rel_err(got, hf32(ids).logits[0]))
+        errs16.append(rel_err(hf(ids).logits[0], hf32(ids).logits[0]))
+    print(f"prefill logits rel max error vs transformers float32: ours {max(errs):.2e}, "
+          f"transformers bf16 {max(errs16):.2e}")
+    assert max(errs) < 3e-2
+
+    eager = chunklocal.LLM(path, device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
+                           max_model_len=512, cuda_graphs=False)
+    eager_outs = eager.generate(prompts, max_new_tokens=new, ignore_eos=True)
+    print(f"CUDA graphs on vs off: same tokens on {same_fraction(outs, eager_outs):.1%}")
+    assert eager.runner.graph_steps == 0
 
     spec = chunklocal.LLM(path, device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
                           max_model_len=512, num_speculative_tokens=3)
     spec_outs = spec.generate(prompts, max_new_tokens=new, ignore_eos=True)
     stats = spec.last_stats
-    frac_spec = same_fraction(spec_outs, outs)
-    print(f"k=3: same tokens as k=0 on {frac_spec:.1%}; drafts accepted "
+    spec_forced = teacher_forced_agreement(hf32, prompts, spec_outs)
+    print(f"k=3: same tokens as k=0 on {same_fraction(spec_outs, outs):.1%}, fixed-prefix "
+          f"agreement with transformers float32 {spec_forced:.1%}; drafts accepted "
           f"{stats.accepted_tokens}/{stats.draft_tokens}; graph steps {spec.runner.graph_steps}")
-    assert frac_spec >= 0.95 and spec.runner.graph_steps > 0
+    assert spec_forced >= 0.95 and spec.runner.graph_steps > 0
 
 
 @torch.inference_mode()
