@@ -12,6 +12,7 @@ transformers (its own model and cache, fed the prompt in pieces).
 
 from __future__ import annotations
 
+import inspect
 import random
 import tempfile
 import time
@@ -69,12 +70,23 @@ def transformers_last_logits(model_dir, prompt, device, dtype, piece: int = 2048
     model = Llama4ForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
                                               attn_implementation="sdpa").to(device).eval()
     cache = DynamicCache(config=model.config)
+    # transformers 5.x renamed past_key_values to cache; accept either version.
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
         for start in range(0, len(prompt), piece):
-            out = model(ids[:, start:start + piece], past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
+            out = model(ids[:, start:start + piece], use_cache=True, logits_to_keep=1,
+                        **{cache_kw: cache})
     return out.logits[0, -1].float().cpu()
+
+
+def compare_logits(ours: torch.Tensor, ref: torch.Tensor, dtype) -> tuple[float, bool, bool]:
+    """(relative max error, same argmax, within the dtype's tolerance and same argmax)."""
+    tol = LOGITS_TOLERANCE.get(dtype, 3e-2)
+    err = float((ours - ref).abs().max() / ref.abs().max())
+    same_top = int(ours.argmax()) == int(ref.argmax())
+    return err, same_top, err < tol and same_top
 
 
 def run_engine_demo(model_dir=None, device="cpu", prompt_len=36000, new_tokens=32,
@@ -126,13 +138,11 @@ def run_engine_demo(model_dir=None, device="cpu", prompt_len=36000, new_tokens=3
               f"difference {runs_err:.2e}")
         ok &= same
         if check_transformers:
-            tol = LOGITS_TOLERANCE.get(next(llm.model.parameters()).dtype, 3e-2)
+            dtype = next(llm.model.parameters()).dtype
+            tol = LOGITS_TOLERANCE.get(dtype, 3e-2)
             start = time.perf_counter()
-            ref = transformers_last_logits(model_dir, prompt, device,
-                                           next(llm.model.parameters()).dtype)
-            err = float((last_b - ref).abs().max() / ref.abs().max())
-            same_top = int(last_b.argmax()) == int(ref.argmax())
-            good = err < tol and same_top
+            ref = transformers_last_logits(model_dir, prompt, device, dtype)
+            err, same_top, good = compare_logits(last_b, ref, dtype)
             print(f"last prompt position's logits vs transformers "
                   f"({time.perf_counter() - start:.0f} s): relative error {err:.2e}, same argmax "
                   f"{same_top} ({'OK' if good else 'FAIL'}, tolerance {tol:g})")
