@@ -13,6 +13,7 @@ wall time of ``generate()``; new tokens/s counts only generated tokens.
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import sys
@@ -88,6 +89,7 @@ def run_engine(model_dir: Path, label: str, cuda_graphs: bool, workloads, args,
         prompts = rng.integers(0, vocab, size=(count, prompt_len)).tolist()
         if device == "cuda":
             torch.cuda.synchronize()
+        graph_steps_before = getattr(llm.runner, "graph_steps", 0)
         start = time.perf_counter()
         outputs = llm.generate(prompts, max_new_tokens=new, ignore_eos=True, use_tqdm=False)
         if device == "cuda":
@@ -104,11 +106,16 @@ def run_engine(model_dir: Path, label: str, cuda_graphs: bool, workloads, args,
             "new_tokens/s": count * new / seconds,
             "steps": getattr(stats, "steps", None),
             "peak_virtual_batches": getattr(stats, "peak_virtual_batches", None),
+            "preemptions": getattr(stats, "preemptions", None),
+            "graph_steps": getattr(llm.runner, "graph_steps", 0) - graph_steps_before,
             "load_s": load_s,
         })
         print(format_table(rows[-1:]), flush=True)
         save()
     del llm
+    # Free the engine's memory now (reference cycles would otherwise hold it), so the
+    # next engine sizes its KV pool from the same free memory.
+    gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
 
@@ -165,7 +172,7 @@ def main(argv=None) -> int:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     print(format_table(rows, ["engine", "workload", "seconds", "tokens/s", "new_tokens/s",
-                              "steps", "peak_virtual_batches", "load_s"]))
+                              "steps", "peak_virtual_batches", "preemptions", "graph_steps"]))
     print(f"wrote {save()}")
     return 1 if errors else 0
 
