@@ -53,6 +53,12 @@ class FakeRunner:
             assert len(owned) == len(set(owned)), "a page owned twice"
             assert not set(owned) & set(grp.free_blocks), "an owned page is free"
             assert len(owned) + len(grp.free_blocks) == grp.num_blocks, "a page leaked"
+            # The numpy row mirrors the request's list (placeholders included).
+            manager = self.scheduler.block_manager
+            for s in self.scheduler.running:
+                row = manager.tables[g][s.row]
+                assert row[:len(s.block_tables[g])].tolist() == s.block_tables[g]
+                assert not row[len(s.block_tables[g]):].any()
 
     def run(self, batch):
         max_seqs, max_tokens = self.limits
@@ -110,7 +116,8 @@ def test_random_workloads_finish_with_right_tokens(lengths, max_new, max_num_seq
         groups = [KVGroup(full, whole + spare_blocks), KVGroup(chunked, local + spare_blocks // 2)]
     else:
         groups = [KVGroup(merge([chunked, full]), whole + spare_blocks)]
-    scheduler = Scheduler(BlockManager(groups), max_num_seqs, budget, max_model_len, spec_k)
+    manager = BlockManager(groups, max_num_seqs, whole)
+    scheduler = Scheduler(manager, max_num_seqs, budget, max_model_len, spec_k)
     runner = FakeRunner(groups, scheduler, (max_num_seqs, budget))
     # Repetitive prompts so that prompt lookup finds drafts, some of them right.
     prompts = [rng.integers(0, 3, n).tolist() for n in lengths]
@@ -139,7 +146,7 @@ def test_preemption_happens_and_recovers():
     prompts = [[1, 2, 0, 1, 2] * 3, [2, 2, 1] * 4, [0, 1] * 7, [1] * 9]
     max_model_len = max(map(len, prompts)) + max_new
     groups = [KVGroup(spec, cdiv(max_model_len, block_size))]
-    scheduler = Scheduler(BlockManager(groups), 4, 64, max_model_len, 0)
+    scheduler = Scheduler(BlockManager(groups, 4, groups[0].num_blocks), 4, 64, max_model_len, 0)
     runner = FakeRunner(groups, scheduler, (4, 64))
     seqs = [Sequence(i, p, SamplingParams(max_new, ignore_eos=True), 1)
             for i, p in enumerate(prompts)]

@@ -10,12 +10,18 @@ also global layers (``needs_global_pages``), so it keeps every page.
 Allocation is all-or-nothing across groups: :meth:`can_allocate` is checked
 first and :meth:`allocate` then cannot fail, so a request that has to wait or
 be preempted leaves every pool exactly as it was.
+
+Each running request also owns a row of a persistent numpy block table per
+group (``tables[g][seq.row]``), written only when pages change, so a step's
+block table is one fancy-index gather instead of a loop over requests.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from chunklocal._validate import cdiv
 from chunklocal.engine.sequence import Sequence
@@ -52,8 +58,15 @@ class KVGroup:
 
 
 class BlockManager:
-    def __init__(self, groups: list[KVGroup]):
+    def __init__(self, groups: list[KVGroup], max_rows: int, max_pages: int):
         self.groups = groups
+        self.tables = [np.zeros((max_rows, max_pages), dtype=np.int32) for _ in groups]
+        self.free_rows = deque(range(max_rows))
+
+    def table_rows(self, seqs, g: int, width: int) -> np.ndarray:
+        """[len(seqs), width] block table of group ``g`` (a copy)."""
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        return self.tables[g][rows, :width]
 
     def can_allocate(self, seq: Sequence, num_new: int) -> bool:
         return all(grp.new_pages(seq, g, num_new)
@@ -64,16 +77,21 @@ class BlockManager:
         """Give ``seq`` pages for positions up to ``num_computed + num_new``."""
         if not self.can_allocate(seq, num_new):
             raise RuntimeError(f"request {seq.seq_id}: allocate() without can_allocate()")
+        if seq.row is None:
+            seq.row = self.free_rows.popleft()
         for g, grp in enumerate(self.groups):
-            table = seq.block_tables[g]
+            table, row = seq.block_tables[g], self.tables[g][seq.row]
             stale = grp.stale_pages(seq, g)
             first = seq.first_owned_page[g]
             for page in range(first, first + stale):
                 grp.free_blocks.append(table[page])
                 table[page] = 0  # placeholder: never read, see Sequence
+            row[first:first + stale] = 0
             seq.first_owned_page[g] = first + stale
+            start = len(table)
             for _ in range(grp.new_pages(seq, g, num_new)):
                 table.append(grp.free_blocks.popleft())
+            row[start:len(table)] = table[start:]
             grp.peak_used = max(grp.peak_used, grp.num_used)
 
     def free(self, seq: Sequence) -> None:
@@ -82,3 +100,8 @@ class BlockManager:
             grp.free_blocks.extend(table[seq.first_owned_page[g]:])
             seq.block_tables[g] = []
             seq.first_owned_page[g] = 0
+            if seq.row is not None:
+                self.tables[g][seq.row] = 0
+        if seq.row is not None:
+            self.free_rows.append(seq.row)
+            seq.row = None

@@ -98,12 +98,13 @@ class LLM:
                                        self.max_model_len) if chunk else self.max_num_seqs)
         backends = [self._backend(backend_name, grp, g, kv_dtype)
                     for g, grp in enumerate(groups)]
-        self.block_manager = BlockManager(groups)
+        self.block_manager = BlockManager(groups, self.max_num_seqs,
+                                          cdiv(self.max_model_len, self.block_size))
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.num_speculative_tokens, pad_drafts=self.cuda_graphs)
-        self.runner = ModelRunner(self.model, groups, kind_to_group, backends, self.device,
-                                  kv_dtype, seed, chunk_size=chunk)
+        self.runner = ModelRunner(self.model, self.block_manager, kind_to_group, backends,
+                                  self.device, kv_dtype, seed, chunk_size=chunk)
         if self.cuda_graphs:
             self.runner.enable_cuda_graphs(backends[0].graph_batch_sizes,
                                            backends[0].graph_query_lens)

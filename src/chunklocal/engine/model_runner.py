@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from chunklocal._validate import cdiv
-from chunklocal.engine.block_manager import KVGroup
+from chunklocal.engine.block_manager import BlockManager
 from chunklocal.engine.scheduler import ScheduledBatch
 from chunklocal.models.llama4 import CHUNKED, AttentionStep
 
@@ -33,15 +33,16 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, groups: list[KVGroup], kind_to_group: dict[str, int],
+    def __init__(self, model, block_manager: BlockManager, kind_to_group: dict[str, int],
                  backends: list, device, kv_dtype, seed: int = 0, chunk_size=None):
         self.model = model
-        self.groups = groups
+        self.block_manager = block_manager
+        self.groups = block_manager.groups
         self.kind_to_group = kind_to_group
         self.backends = backends  # one per KV group
         self.chunk_size = chunk_size
         self.device = torch.device(device)
-        self.block_size = groups[0].block_size
+        self.block_size = self.groups[0].block_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.peak_virtual_batches = 0
         self.virtual_batches_per_step: list[int] = []
@@ -100,14 +101,6 @@ class ModelRunner:
         return StepInputs(input_ids, positions, qsl.astype(np.int32),
                           seq_lens.astype(np.int32), logit_rows, logit_owner, num_draft)
 
-    def _block_table(self, batch: ScheduledBatch, g: int, seq_lens: np.ndarray) -> np.ndarray:
-        width = max(1, int(cdiv(seq_lens.max(), self.block_size)))
-        table = np.zeros((len(batch.seqs), width), dtype=np.int32)
-        for row, seq in enumerate(batch.seqs):
-            pages = seq.block_tables[g][:width]
-            table[row, :len(pages)] = pages
-        return table
-
     def _count_virtual_batches(self, inputs: StepInputs) -> None:
         if not self.chunk_size:
             return
@@ -122,9 +115,10 @@ class ModelRunner:
     def group_inputs(self, batch: ScheduledBatch, inputs: StepInputs):
         """Block table (numpy) and slot mapping (device) of every KV group."""
         row_of_token = np.repeat(np.arange(len(batch.seqs)), np.diff(inputs.query_start_loc))
+        width = max(1, int(cdiv(inputs.seq_lens.max(), self.block_size)))
         tables, slots = [], []
         for g in range(len(self.groups)):
-            table = self._block_table(batch, g, inputs.seq_lens)
+            table = self.block_manager.table_rows(batch.seqs, g, width)
             pages = table[row_of_token, inputs.positions // self.block_size].astype(np.int64)
             slot = pages * self.block_size + inputs.positions % self.block_size
             tables.append(table)

@@ -39,6 +39,8 @@ class Sequence:
         self.block_tables: list[list[int]] = [[] for _ in range(num_groups)]
         #: First logical page still owned, per group (pages before it were freed).
         self.first_owned_page = [0] * num_groups
+        #: Row of the block manager's numpy tables while the request holds pages.
+        self.row: int | None = None
         self.num_preemptions = 0
 
     def __len__(self):
