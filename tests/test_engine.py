@@ -2,7 +2,15 @@
 
 Oracle: transformers' greedy ``generate`` (tokens) and full-sequence forward
 (logits).  The first test checks that this oracle really implements the chunk
-semantics ``k <= p and k // c == p // c`` on the lengths used here.
+semantics ``k <= p and k // c == p // c`` on the lengths used here: its eager
+masks at prefill, and its sliding-window cache (c - 1 keys kept for chunked
+layers) during decode across a chunk boundary.  (`chunklocal demo` also matches
+transformers fed a 36000-token prompt in 2048-token pieces through its cache.)
+
+Prompts go to transformers one at a time, unpadded: with left padding its NoPE
+temperature tuning counts positions from the cache length, padding included
+(``arange(q) + past_seen_tokens``, not ``position_ids``), so padded batches
+would shift the scale by the padding length once positions reach floor_scale.
 """
 
 from __future__ import annotations
@@ -169,6 +177,8 @@ def test_pool_too_small_for_one_request(ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match="cannot hold one request"):
         chunklocal.LLM(path, max_model_len=256, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="max_model_len 100000000 needs .* GiB of KV cache"):
+        chunklocal.LLM(path, max_model_len=100_000_000)
 
 
 @pytest.mark.parametrize("bad, message", [

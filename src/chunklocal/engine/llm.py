@@ -131,7 +131,13 @@ class LLM:
             budget = _CPU_KV_BYTES
             if self.device.type == "cuda":
                 budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.4)
-            num_kv_blocks = min(self.max_num_seqs * whole_seq, max(whole_seq, budget // per_block))
+            if whole_seq * per_block > budget:
+                raise ValueError(
+                    f"one request of max_model_len {self.max_model_len} needs "
+                    f"{whole_seq * per_block / 2**30:.1f} GiB of KV cache, more than the "
+                    f"default budget of {budget / 2**30:.1f} GiB: pass a smaller max_model_len "
+                    "or an explicit num_kv_blocks")
+            num_kv_blocks = min(self.max_num_seqs * whole_seq, budget // per_block)
         num_kv_blocks = int(num_kv_blocks)
         chunk = self.config.attention_chunk_size
         local_need = min(cdiv(chunk - 1 + self.max_num_batched_tokens, self.block_size),
