@@ -47,6 +47,22 @@ class GenerateStats:
 
 
 class LLM:
+    """Serve a Llama-4 checkpoint directory (``config.json`` + ``*.safetensors``).
+
+    ``device``: "cpu" (PyTorch reference attention) or "cuda" (FlashInfer by
+    default, bf16 unless the checkpoint is 16-bit).  ``max_num_seqs`` /
+    ``max_num_batched_tokens``: requests and query tokens per step (drafts count).
+    ``max_model_len``: prompt + new tokens per request (default: the config's
+    max_position_embeddings).  ``num_kv_blocks``: pages of ``block_size`` tokens in
+    the global (or merged) group's pool; None sizes it from a memory budget.
+    ``hybrid_kv_cache``: separate global and chunked KV groups (the chunked one
+    frees pages before the current chunk); False merges every layer into one
+    group that keeps every page.  ``cuda_graphs``: replay decode and verify steps
+    as CUDA graphs (FlashInfer only).  ``num_speculative_tokens``: prompt-lookup
+    draft length k, verified in one step; greedy output equals k = 0.
+    ``seed``: sampling seed for temperature > 0.
+    """
+
     def __init__(self, model, *, device="cpu", dtype=None, max_num_seqs=256,
                  max_num_batched_tokens=8192, max_model_len=None, block_size=16,
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
@@ -96,8 +112,7 @@ class LLM:
         self.max_virtual_batches = (
             bounds.max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
                                        self.max_model_len) if chunk else self.max_num_seqs)
-        backends = [self._backend(backend_name, grp, g, kv_dtype)
-                    for g, grp in enumerate(groups)]
+        backends = [self._backend(backend_name, grp, kv_dtype) for grp in groups]
         self.block_manager = BlockManager(groups, self.max_num_seqs,
                                           cdiv(self.max_model_len, self.block_size))
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
@@ -164,7 +179,7 @@ class LLM:
         self.group_names = [name for name, *_ in groups]
         return [KVGroup(spec, size) for _, spec, size, _ in groups], kind_to_group
 
-    def _backend(self, name, group, g, kv_dtype):
+    def _backend(self, name, group, kv_dtype):
         if name == "torch":
             from chunklocal.backends.torch_ref import TorchRefBackend
 
