@@ -57,6 +57,7 @@ def global_masked(seq_lens, block_table, block: int, out: dict) -> int:
 def main(argv=None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
+    from chunklocal import metadata as md
     from chunklocal.metadata import MetadataBuffers, step_capacity, write_step
     from chunklocal.virtual_batches import make_virtual_batches, validate_batch
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     cbuf = MetadataBuffers(step_capacity(chunked_spec, limits, chunked=True), wl.BLOCK)
     gbuf = MetadataBuffers(step_capacity(global_spec, limits, chunked=False), wl.BLOCK)
     vb = make_virtual_batches(qsl, seq, table, wl.CHUNK, wl.BLOCK)
-    zeros, slots = np.zeros(vb.num_batches, np.int64), np.arange(vb.num_batches)
+    graph_slots = getattr(md, "graph_slots", None)  # the pure-decode path's slot layout
     rows = np.arange(batch.num_reqs)
 
     # The proposal must equal the library before its time means anything.
@@ -92,14 +93,38 @@ def main(argv=None) -> int:
     assert np.array_equal(gmine["paged_kv_indptr"][:batch.num_reqs + 1],
                           gref.paged_kv_indptr.numpy())
 
-    stages = [
-        ("chunked", "write_step (total)",
-         lambda: write_step(cbuf, qsl, seq, table, query_lens, wl.CHUNK)),
-        ("chunked", "  make_virtual_batches",
+    # The flat page index a host build gathers through, and the gather itself: the
+    # part of write_host that grows with the pages read.
+    def flat_index(kv, first, slot_rows):
+        pages = (kv.astype(np.int64) + wl.BLOCK - 1) // wl.BLOCK
+        starts = np.cumsum(pages) - pages
+        base = (slot_rows * table.shape[1] + first - starts).astype(np.int32)
+        flat = np.repeat(base, pages)
+        flat += np.arange(int(pages.sum()), dtype=np.int32)
+        return flat
+
+    stages = [("chunked", "write_step (total)",
+               lambda: write_step(cbuf, qsl, seq, table, query_lens, wl.CHUNK))]
+    if graph_slots is not None:
+        kv, first, slot_rows = graph_slots(seq.astype(np.int64), 1, wl.CHUNK, wl.BLOCK, False)
+        flat_c = flat_index(kv, first, slot_rows)
+        out_c = np.empty(flat_c.size, np.int32)
+        stages += [
+            ("chunked", "  graph_slots (one slot per decode)",
+             lambda: graph_slots(seq.astype(np.int64), 1, wl.CHUNK, wl.BLOCK, False)),
+            ("chunked", "  MetadataBuffers.write_host (request's own table)",
+             lambda: cbuf.write_host(query_lens, kv, first, slot_rows, table)),
+            ("chunked", f"    flat page index (np.repeat + arange, {flat_c.size} pages)",
+             lambda: flat_index(kv, first, slot_rows)),
+            ("chunked", f"    np.take of {flat_c.size} page ids",
+             lambda: np.take(table.reshape(-1), flat_c, out=out_c)),
+        ]
+    flat_g = flat_index(seq.astype(np.int64), np.zeros(batch.num_reqs, np.int64), rows)
+    out_g = np.empty(flat_g.size, np.int32)
+    stages += [
+        ("chunked", "make_virtual_batches (prefill / mixed steps only)",
          lambda: make_virtual_batches(qsl, seq, table, wl.CHUNK, wl.BLOCK)),
-        ("chunked", "    validate_batch", lambda: validate_batch(qsl, seq, table, wl.BLOCK)),
-        ("chunked", "  MetadataBuffers.write_host",
-         lambda: cbuf.write_host(vb.query_lens, vb.seq_lens, zeros, slots, vb.block_table)),
+        ("chunked", "validate_batch", lambda: validate_batch(qsl, seq, table, wl.BLOCK)),
         ("chunked", "proposal: decode_chunked_flat",
          lambda: decode_chunked_flat(seq, table, wl.CHUNK, wl.BLOCK, mine)),
         ("global", "write_step (total)",
@@ -107,6 +132,10 @@ def main(argv=None) -> int:
         ("global", "  MetadataBuffers.write_host",
          lambda: gbuf.write_host(query_lens, seq, np.zeros(batch.num_reqs, np.int64), rows,
                                  table)),
+        ("global", f"    flat page index (np.repeat + arange, {flat_g.size} pages)",
+         lambda: flat_index(seq.astype(np.int64), np.zeros(batch.num_reqs, np.int64), rows)),
+        ("global", f"    np.take of {flat_g.size} page ids",
+         lambda: np.take(table.reshape(-1), flat_g, out=out_g)),
         ("global", "proposal: global_masked",
          lambda: global_masked(seq, table, wl.BLOCK, gmine)),
     ]

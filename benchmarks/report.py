@@ -53,17 +53,31 @@ def plots(results: Path, docs: Path) -> list[Path]:
     data = load(results, "kernel_floor")
     if data and data["rows"]:
         rows = data["rows"]
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        names = [r["case"] for r in rows]
-        ax.barh(names, [r.get("fraction_of_ceiling", 0) for r in rows], color="tab:blue")
-        for target, label in ((0.70, "prefill target 70%"), (0.85, "decode target 85%")):
-            ax.axvline(target, ls="--", color="gray")
-            ax.text(target, -0.6, label, fontsize=7, ha="center")
-        ax.set_xlabel("fraction of the measured ceiling (matmul for prefill, copy for decode)")
-        ax.set_xlim(0, 1.05)
+        prefill = [r for r in rows if "TFLOP/s" in r]
+        decode = [r for r in rows if "TB/s" in r]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        ax = axes[0]
+        y = list(range(len(prefill)))
+        ax.barh([i + 0.2 for i in y], [r.get("fraction_of_ceiling", 0) for r in prefill], 0.4,
+                label="chunklocal default (FA2)")
+        ax.barh([i - 0.2 for i in y], [r.get("fa3_fraction_of_ceiling", 0) for r in prefill],
+                0.4, label="chunklocal, prefill_backend='auto' (FA3)")
+        ax.set_yticks(y, [r["case"] for r in prefill], fontsize=7)
+        ax.axvline(0.70, ls="--", color="gray", label="target 70%")
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("useful TFLOP/s / measured bf16 matmul rate")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.28), ncol=2)
+        ax = axes[1]
+        y = list(range(len(decode)))
+        ax.barh(y, [r.get("fraction_of_ceiling", 0) for r in decode], 0.5, color="tab:green")
+        ax.set_yticks(y, [r["case"] for r in decode], fontsize=7)
+        ax.axvline(0.85, ls="--", color="gray", label="target 85%")
+        ax.set_xlim(0, 1.15)
+        ax.set_xlabel("KV bytes read per s / measured copy rate")
+        ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
         written.append(_save(fig, docs / "bench_kernel_floor.png"))
-    data = load(results, "metadata_cpu")
+    data = load(results, "metadata_cuda") or load(results, "metadata_cpu")
     if data and data["rows"]:
         rows = data["rows"]
         cases = list(dict.fromkeys(r["case"] for r in rows))
@@ -75,9 +89,15 @@ def plots(results: Path, docs: Path) -> list[Path]:
                     for c in cases]
             ax.bar([j + i * width for j in range(len(cases))], vals, width, label=how)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], cases, fontsize=7)
+        if "attention_us_48_layers" in rows[0]:
+            attention = [next(r["attention_us_48_layers"] for r in rows if r["case"] == c)
+                         for c in cases]
+            ax.scatter([j + 0.4 - width / 2 for j in range(len(cases))],
+                       [0.05 * a for a in attention], marker="_", s=900, color="red",
+                       label="5% of the step's attention (48 layers)", zorder=3)
         ax.set_yscale("log")
-        ax.set_ylabel("host build time per step (us)")
-        ax.axhline(100, ls="--", color="gray")
+        ax.set_ylabel("build time per step (us), log")
+        ax.axhline(100, ls="--", color="gray", label="100 us")
         ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(_save(fig, docs / "bench_metadata.png"))
@@ -87,6 +107,7 @@ def plots(results: Path, docs: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         b = [r["batch"] for r in rows]
         for key, label in (("eager_ms", "eager (build + 2 layers)"),
+                           ("eager_forward_only_ms", "eager, kernels only (no build)"),
                            ("graph_host_md_ms", "graph, host metadata"),
                            ("graph_device_md_ms", "graph, device metadata")):
             ax.plot(b, [r[key] for r in rows], marker="o", label=label)
