@@ -13,6 +13,8 @@ touched, and their outputs are dropped.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 
@@ -33,7 +35,9 @@ class CudaGraphs:
         self.slots = [torch.full((rows,), s, dtype=torch.long, device=device)
                       for s in self.scratch_slots]
         self.graphs, self.outputs = {}, {}
-        pool = torch.cuda.graph_pool_handle()
+        self.replays: Counter = Counter()  # (B, q) -> replays
+        self.padding_rows = 0
+        pool = self._new_pool()
         for q in self.query_lens:
             for b in reversed(self.batch_sizes):  # largest first: the pool fits the rest
                 self._capture(b, q, pool)
@@ -52,13 +56,25 @@ class CudaGraphs:
                                   graph_batch_size=batch_size)
                     for backend, scratch in zip(self.backends, self.scratch_slots, strict=True)]
         steps = self._steps(metadata, rows)
-        args = (self.input_ids[:rows], self.positions[:rows], steps)
-        self.model(*args)  # warm-up: lazy kernel setup happens outside the capture
+
+        def forward():
+            return self.model(self.input_ids[:rows], self.positions[:rows], steps)
+
+        forward()  # warm-up: lazy kernel setup happens outside the capture
+        graph, output = self._record(forward, pool)
+        self.graphs[batch_size, query_len], self.outputs[batch_size, query_len] = graph, output
+
+    # The two CUDA-specific hooks (tests replace them to run this logic on the CPU).
+    def _new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def _record(self, forward, pool):
+        """Capture ``forward`` (static inputs -> static output); return (graph, output)."""
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.outputs[batch_size, query_len] = self.model(*args)
-        self.graphs[batch_size, query_len] = graph
+            output = forward()
+        return graph, output
 
     def layout_for(self, query_lens: np.ndarray, num_drafts: np.ndarray):
         """(B, q) for an all-decode / all-verify step with one query length, else None."""
@@ -86,4 +102,6 @@ class CudaGraphs:
             backend.build(inputs.query_start_loc, inputs.seq_lens, tables[g],
                           graph_batch_size=batch_size)
         self.graphs[batch_size, query_len].replay()
+        self.replays[batch_size, query_len] += 1
+        self.padding_rows += padded - rows
         return self.outputs[batch_size, query_len][:rows]
