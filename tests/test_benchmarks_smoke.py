@@ -127,3 +127,28 @@ def test_metadata_stages_smoke(tmp_path):
     assert metadata_stages.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "metadata_stages_smoke.json").read_text())["rows"]
     assert {r["layers"] for r in rows} == {"chunked", "global"}
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_dense_alternatives_match_independent_oracle():
+    # The dense layouts the alternatives run on (windows of the touched chunks, offsets,
+    # masks) must compute chunked attention exactly: float64 against tests/oracle.py.
+    from oracle import dense_chunked_attention
+
+    from benchmarks import dense
+    from benchmarks.steps import random_inputs
+
+    chunk = 64
+    for batch in (wl.chunked_prefills(2, 100, chunk=chunk),
+                  wl.decode_local(6, full_chunks=False, chunk=chunk),
+                  wl.single_prefill(150, chunk=chunk)):
+        q, k, v = (t.double() for t in random_inputs(batch, "cpu", wl.BLOCK, seed=3))
+        expected = dense_chunked_attention(q, k, v, batch.query_start_loc, batch.seq_lens,
+                                           batch.block_table, chunk_size=chunk)
+        d = dense.to_dense(batch, q, k, v, chunk)
+        sdpa_out = d.packed(dense.sdpa(d, d.dense_mask(), expand_kv=False)())
+        torch.testing.assert_close(sdpa_out, expected, rtol=1e-9, atol=1e-9)
+        flex_out = d.packed(dense.flex(d, compiled=False)())
+        torch.testing.assert_close(flex_out, expected, rtol=1e-9, atol=1e-9)
+        ref, index = dense.reference_rows(d)
+        torch.testing.assert_close(ref, expected[index], rtol=1e-9, atol=1e-9)
