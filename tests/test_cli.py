@@ -164,3 +164,11 @@ def test_plan_sizes_hold_every_allowed_batch(case):
     assert rows["paged_kv_last_page_len"].ours >= vb.num_batches
     assert rows["paged_kv_indices"].ours >= pages
     assert rows["paged_kv_indptr"].published >= rows["paged_kv_indptr"].ours
+
+
+def test_plan_merged_group_keeps_whole_sequence_pages():
+    # 256 decodes each at max_model_len: the global layers of a merged group read
+    # every page of every request, 256 * 131072 / 16 pages, far above the local need.
+    rows = {r.buffer: r for r in sizing.buffer_rows(256, 8192, 131072, 8192, 16)}
+    assert rows["paged_kv_indices (merged)"].ours == 256 * 131072 // 16
+    assert rows["paged_kv_indices"].ours < rows["paged_kv_indices (merged)"].ours

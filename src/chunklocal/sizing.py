@@ -57,7 +57,9 @@ def buffer_rows(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
     The max_num_seqs sizing is what a request-count-sized engine allocates:
     indptrs N + 1, last_page_len N, indices N * cdiv(max_model_len, block_size).
     The published indices size follows PR 50022: pages <= V * cdiv(c, bs),
-    never below the old size (global layers may share the group).
+    never below the old size (global layers may share the group).  The last
+    row is the indices buffer of a merged group (global and chunked layers in
+    one KV group), which must hold whole sequences for its global layers.
     """
     for name, value in (("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
@@ -71,11 +73,16 @@ def buffer_rows(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
     published_pages = max(old_pages, published * cdiv(chunk_size, block_size))
     our_pages = bounds.max_local_pages(n, max_num_batched_tokens, chunk_size, max_model_len,
                                        block_size)
+    # A merged group (hybrid KV cache off) serves global layers from the same
+    # indices buffer, so it needs whole-sequence pages: never below the old size.
+    merged_pages = bounds.max_group_pages(n, max_num_batched_tokens, chunk_size, max_model_len,
+                                          block_size, has_global_layers=True)
     return [
         BufferRow("qo_indptr", n + 1, published + 1, ours + 1),
         BufferRow("paged_kv_indptr", n + 1, published + 1, ours + 1),
         BufferRow("paged_kv_last_page_len", n, published, ours),
         BufferRow("paged_kv_indices", old_pages, published_pages, our_pages),
+        BufferRow("paged_kv_indices (merged)", old_pages, published_pages, merged_pages),
     ]
 
 
@@ -101,10 +108,10 @@ def format_plan(result: dict) -> str:
         f"virtual batches per step: max_num_seqs sizing {vb['max_num_seqs_sized']}, "
         f"published bound {vb['published']}, ours {vb['ours']}",
         "",
-        f"{'buffer':<24}{'max_num_seqs':>14}{'published':>11}{'ours':>8}  max_num_seqs overflows?",
+        f"{'buffer':<27}{'max_num_seqs':>14}{'published':>11}{'ours':>8}  max_num_seqs overflows?",
     ]
     for row in result["buffers"]:
-        lines.append(f"{row['buffer']:<24}{row['max_num_seqs_sized']:>14}{row['published']:>11}"
+        lines.append(f"{row['buffer']:<27}{row['max_num_seqs_sized']:>14}{row['published']:>11}"
                      f"{row['ours']:>8}  {'YES' if row['overflows'] else 'no'}")
     return "\n".join(lines)
 
