@@ -11,6 +11,7 @@ a CUDA graph when one is captured for their shape (engine/cuda_graphs.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -84,10 +85,10 @@ class ModelRunner:
         np.cumsum(query_lens, out=qsl[1:])
         num_tokens = int(qsl[-1])
         positions = np.arange(num_tokens) + np.repeat(starts - qsl[:-1], query_lens)
-        input_ids = np.fromiter(
-            (t for s, n, d in zip(seqs, batch.num_new, batch.drafts, strict=True)
-             for t in (s.token_ids[s.num_computed:s.num_computed + n - len(d)] + d)),
-            np.int64, num_tokens)
+        # One Python slice per request; the tokens themselves are copied in C.
+        pieces = (s.token_ids[s.num_computed:s.num_computed + n - len(d)] + d
+                  for s, n, d in zip(seqs, batch.num_new, batch.drafts, strict=True))
+        input_ids = np.fromiter(chain.from_iterable(pieces), np.int64, num_tokens)
         seq_lens = starts + query_lens
         # Requests whose step reaches their last known token choose new tokens:
         # one row for prefill/decode, every row of a verify window.
