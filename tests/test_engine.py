@@ -125,6 +125,19 @@ def test_concurrent_ragged_prompts(ckpt_b, hybrid):
     assert len(llm.groups) == (2 if hybrid else 1)
 
 
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "merged"])
+def test_no_chunking_and_moe_on_every_layer(tmp_path, hybrid):
+    """attention_chunk_size=None (every layer global) and Scout's MoE on every layer."""
+    hf = write_tiny_llama4(tmp_path, seed=5, attention_chunk_size=None,
+                           interleave_moe_layer_step=1, num_experts_per_tok=2)
+    assert set(hf.config.layer_types) == {"full_attention"}
+    llm = chunklocal.LLM(tmp_path, max_num_seqs=3, max_num_batched_tokens=40,
+                         max_model_len=128, hybrid_kv_cache=hybrid)
+    assert len(llm.groups) == 1 and llm.last_stats is None
+    check_parity(llm, hf, prompts_of([50, 7, 33], seed=12), 8)
+    assert llm.last_stats.peak_virtual_batches == 0
+
+
 def test_hybrid_chunked_group_keeps_one_chunk(ckpt):
     path, _ = ckpt
     llm = chunklocal.LLM(path, max_num_seqs=1, max_num_batched_tokens=20, max_model_len=512)
