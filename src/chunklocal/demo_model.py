@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 
 from chunklocal import bounds
+from chunklocal.models.llama4 import require_hf
 
 LOGITS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
 def write_random_llama4(path, seed: int = 0, num_layers: int = 4, full_heads=False) -> None:
     """Narrow heads for the CPU; ``full_heads``: Llama-4's 40/8 heads of dim 128 (GPU)."""
+    require_hf()
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
     heads = dict(num_attention_heads=40, num_key_value_heads=8, head_dim=128,

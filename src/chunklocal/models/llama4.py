@@ -35,8 +35,19 @@ class AttentionStep:
     chunked: bool           # which layer kind of the group's metadata to use
 
 
+def require_hf() -> None:
+    """Checkpoints are read with transformers and safetensors (the ``hf`` extra)."""
+    try:
+        import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"serving a checkpoint needs transformers and safetensors ({err}); "
+                          'install them with: pip install "chunklocal[hf]"') from err
+
+
 def load_text_config(model_dir):
     """The Llama-4 text config of a checkpoint directory (text-only or multimodal)."""
+    require_hf()
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir))
