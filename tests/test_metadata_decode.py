@@ -1,9 +1,11 @@
-"""The pure-decode chunked fast path (MetadataBuffers.write_decode_chunked).
+"""The host fast paths: pure-decode chunked layers and whole requests on global layers.
 
-Checked two ways on random decode-only batches (padding rows, ragged contexts,
-lengths on and next to chunk and page boundaries, int32 and int64 tables):
-against the general path (write_host on graph_slots) array for array, and
-against the per-token chunk rule written out independently here.
+``MetadataBuffers.write_decode_chunked`` is checked two ways on random
+decode-only batches (padding rows, ragged contexts, lengths on and next to chunk
+and page boundaries, int32 and int64 tables): against the general path
+(write_host on graph_slots) array for array, and against the per-token chunk
+rule written out independently here.  ``write_whole_requests`` (global layers)
+is checked against the general path and the same rule without chunks.
 """
 
 from __future__ import annotations
@@ -128,3 +130,40 @@ def test_fast_decode_keeps_buffers_frozen_under_graphs():
         buffers.write_decode_chunked(np.array([100, 100]), table, 8192)  # 14 pages > 4
     with pytest.raises(CapacityError, match="tiny.paged_kv_indptr"):
         buffers.write_decode_chunked(np.array([1, 1, 1]), np.ones((3, 1), np.int32), 8192)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data(), st.sampled_from([4, 16]), st.sampled_from([np.int32, np.int64]),
+       st.integers(0, 40))
+def test_whole_requests_match_general_path_and_causal_rule(data, bs, dtype, spare_columns):
+    n = data.draw(st.integers(1, 8))
+    seq = np.array([data.draw(st.one_of(st.integers(1, 200),
+                                        st.builds(lambda k, d: max(k * bs + d, 1),
+                                                  st.integers(0, 12), st.integers(-1, 1))))
+                    for _ in range(n)])
+    q = np.array([data.draw(st.integers(1, int(s))) for s in seq])
+    width = -(-int(seq.max()) // bs) + spare_columns  # many spare columns: the general path
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    table = (rng.permutation(n * width + 5)[: n * width] + 1).reshape(n, width).astype(dtype)
+    buffers = MetadataBuffers(Capacity(1, 1), bs)
+    got = buffers.write_whole_requests(q, seq, table)
+    want = MetadataBuffers(Capacity(1, 1), bs).write_host(q, seq, np.zeros(n, np.int64),
+                                                          np.arange(n), table)
+    assert_same(got, want)
+    expected = [[int(table[r, k // bs]) * bs + k % bs for k in range(s)]
+                for r, s in enumerate(seq.tolist())]
+    assert keys_read(got, bs) == expected
+    qsl = np.concatenate([[0], np.cumsum(q)])
+    assert got.qo_indptr.tolist() == qsl.tolist()
+    # write_step routes a global step whose every request has queries here.
+    step = write_step(buffers, qsl, seq, table, q, None)
+    assert_same(step, want)
+
+
+def test_whole_requests_reject_like_the_general_path():
+    buffers = MetadataBuffers(Capacity(2, 8), 16)
+    table = np.arange(1, 5).reshape(2, 2)
+    with pytest.raises(ValueError, match="slot 1 reads 0 keys"):
+        buffers.write_whole_requests(np.array([1, 1]), np.array([5, 0]), table)
+    with pytest.raises(ValueError, match="slot 0 reads pages up to column 2 of a 2-column"):
+        buffers.write_whole_requests(np.array([1, 1]), np.array([33, 5]), table)

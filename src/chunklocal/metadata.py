@@ -331,6 +331,46 @@ class MetadataBuffers:
         return HostStep(n, num_pages, qo, kv, last,
                         self.host[mirror_set]["paged_kv_indices"][:num_pages], mirror_set)
 
+    def write_whole_requests(self, query_lens, seq_lens, block_table) -> HostStep:
+        """Global layers, every table row a request with queries: slot r reads all of row r.
+
+        Same arrays as ``write_host(query_lens, seq_lens, 0, arange(n), block_table)``.
+        When the requests fill at least a third of the table, one boolean-mask
+        gather (pages come out row-major, the kv_indices order) beats building a
+        flat index (measured: 1.3 vs 1.9 ms for 1.06M pages of a [256, 8192]
+        table); sparser tables, and inputs this path does not cover, take the
+        general path.
+        """
+        q = np.asarray(query_lens, dtype=np.int64)
+        kv = np.asarray(seq_lens, dtype=np.int64)
+        table = np.asarray(block_table)
+        bs = self.block_size
+        n = kv.shape[0] if kv.ndim == 1 else 0
+        if (not n or table.ndim != 2 or table.shape[0] != n or not table.size
+                or q.shape != kv.shape or int(kv.min()) <= 0
+                or int(kv.max()) > table.shape[1] * bs):
+            return self.write_host(q, kv, np.zeros(n, np.int64), np.arange(n), table)
+        pages = kv + (bs - 1)
+        pages //= bs
+        num_pages = int(pages.sum())
+        if table.size > 3 * num_pages:
+            return self.write_host(q, kv, np.zeros(n, np.int64), np.arange(n), table)
+        self.ensure_capacity(n, num_pages)
+        mirror_set = self._claim_mirror_set()
+        host = self._host_np[mirror_set]
+        host["paged_kv_indptr"][0] = 0
+        np.add.accumulate(pages, dtype=np.int32, out=host["paged_kv_indptr"][1:n + 1])
+        host["qo_indptr"][0] = 0
+        np.add.accumulate(q, dtype=np.int32, out=host["qo_indptr"][1:n + 1])
+        self._qo_counting[mirror_set] = 0
+        last_page_len = host["paged_kv_last_page_len"][:n]
+        np.subtract(kv, (pages - 1) * bs, out=last_page_len)
+        keep = self._decode_cache.positions(table.shape[1]) < pages[:, None]
+        host["paged_kv_indices"][:num_pages] = table[keep]
+        qo, kv_indptr, last = self._fixed_views(mirror_set, n)
+        return HostStep(n, num_pages, qo, kv_indptr, last,
+                        self.host[mirror_set]["paged_kv_indices"][:num_pages], mirror_set)
+
     def _fixed_views(self, mirror_set: int, n: int):
         """Torch views of the first ``n`` slots' mirrors, cached (slicing costs ~3 us)."""
         key = (mirror_set, n)
@@ -488,6 +528,8 @@ def write_step(buffers: MetadataBuffers, qsl, seq, table, query_lens,
         return buffers.write_host(vb.query_lens, vb.seq_lens, np.zeros(vb.num_batches, np.int64),
                                   np.arange(vb.num_batches), vb.block_table)
     rows = np.flatnonzero(query_lens > 0)
+    if rows.size and rows.size == np.shape(table)[0] == query_lens.size:
+        return buffers.write_whole_requests(query_lens, seq, table)
     buffers.ensure_capacity(rows.size)
     return buffers.write_host(query_lens[rows], np.asarray(seq)[rows],
                               np.zeros(rows.size, np.int64), rows, table)
