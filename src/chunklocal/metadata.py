@@ -528,7 +528,8 @@ def write_step(buffers: MetadataBuffers, qsl, seq, table, query_lens,
         return buffers.write_host(vb.query_lens, vb.seq_lens, np.zeros(vb.num_batches, np.int64),
                                   np.arange(vb.num_batches), vb.block_table)
     rows = np.flatnonzero(query_lens > 0)
-    if rows.size and rows.size == np.shape(table)[0] == query_lens.size:
+    if (rows.size and rows.size == np.shape(table)[0] == query_lens.size
+            and np.shape(seq) == query_lens.shape):
         return buffers.write_whole_requests(query_lens, seq, table)
     buffers.ensure_capacity(rows.size)
     return buffers.write_host(query_lens[rows], np.asarray(seq)[rows],
