@@ -58,3 +58,14 @@ def check_chunk_geometry(chunk_size: int, block_size: int) -> None:
 def cdiv(a, b):
     """Ceiling division for ints or integer numpy arrays."""
     return -(-a // b)
+
+
+def raise_first(bad, message) -> None:
+    """Raise ``ValueError(message(i))`` for the first index ``i`` where ``bad`` holds.
+
+    One vectorised check over a whole batch; the error names the first
+    offending request, and nothing has been modified when it is raised.
+    """
+    index = np.flatnonzero(bad)
+    if index.size:
+        raise ValueError(message(int(index[0])))

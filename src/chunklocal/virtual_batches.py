@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from chunklocal._validate import as_int_array, check_chunk_geometry
+from chunklocal._validate import as_int_array, check_chunk_geometry, raise_first
 
 
 @dataclass(frozen=True)
@@ -69,30 +69,15 @@ def validate_batch(query_start_loc, seq_lens, block_table, block_size: int):
     if qsl.size and qsl[0] < 0:
         raise ValueError(f"query_start_loc[0] must be >= 0, got {int(qsl[0])}")
     query_lens = np.diff(qsl)
-    bad = np.flatnonzero(query_lens < 0)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"query_start_loc decreases at request {i}: {int(qsl[i])} -> {int(qsl[i + 1])}"
-        )
-    bad = np.flatnonzero(seq < 0)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"request {i}: seq_len {int(seq[i])} is negative")
-    bad = np.flatnonzero(query_lens > seq)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"request {i}: query length {int(query_lens[i])} exceeds seq_len {int(seq[i])}"
-        )
+    raise_first(query_lens < 0, lambda i: (
+        f"query_start_loc decreases at request {i}: {int(qsl[i])} -> {int(qsl[i + 1])}"))
+    raise_first(seq < 0, lambda i: f"request {i}: seq_len {int(seq[i])} is negative")
+    raise_first(query_lens > seq, lambda i: (
+        f"request {i}: query length {int(query_lens[i])} exceeds seq_len {int(seq[i])}"))
     pages_needed = -(-seq // block_size)
-    bad = np.flatnonzero(pages_needed > table.shape[1])
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"request {i}: seq_len {int(seq[i])} needs {int(pages_needed[i])} pages of "
-            f"{block_size} tokens but block_table has only {table.shape[1]} columns"
-        )
+    raise_first(pages_needed > table.shape[1], lambda i: (
+        f"request {i}: seq_len {int(seq[i])} needs {int(pages_needed[i])} pages of "
+        f"{block_size} tokens but block_table has only {table.shape[1]} columns"))
     return qsl, seq, table, query_lens
 
 
@@ -101,15 +86,10 @@ _INT32_MAX = np.iinfo(np.int32).max
 
 def _check_fits_int32(qsl, seq) -> None:
     """Outputs are int32 (what kernels take): refuse values that would wrap."""
-    bad = np.flatnonzero(seq > _INT32_MAX)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"request {i}: seq_len {int(seq[i])} does not fit int32")
-    bad = np.flatnonzero(qsl > _INT32_MAX)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"request {max(i - 1, 0)}: query_start_loc[{i}] = {int(qsl[i])} "
-                         "does not fit int32")
+    raise_first(seq > _INT32_MAX,
+                lambda i: f"request {i}: seq_len {int(seq[i])} does not fit int32")
+    raise_first(qsl > _INT32_MAX, lambda i: (
+        f"request {max(i - 1, 0)}: query_start_loc[{i}] = {int(qsl[i])} does not fit int32"))
 
 
 def make_virtual_batches(
