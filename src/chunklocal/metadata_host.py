@@ -61,7 +61,7 @@ class HostWrites:
 
     def write_host(self, query_lens, kv_lens, first_page, rows, block_table,
                    scratch_page: int = 0) -> HostStep:
-        """Fill a mirror set for slots described as in the module doc (numpy, vectorised)."""
+        """Fill a mirror set for slots as described in chunklocal.metadata (numpy, vectorised)."""
         q = np.asarray(query_lens, dtype=np.int64)
         kv = np.asarray(kv_lens, dtype=np.int64)
         num_batches = q.shape[0]
