@@ -258,3 +258,21 @@ def test_verify_straddling_window_uses_two_slots():
     assert step.paged_kv_last_page_len.tolist() == [2, 2]
     assert step.paged_kv_indices.tolist() == [5, 6, 7, 7]
     assert mask.tolist() == [True, True, False, False]
+
+
+def test_bad_table_is_refused_before_any_buffer_grows():
+    # Five slots overflow a one-slot capacity (which would grow without graphs), and
+    # slot 3 reads past a 3-column table: the ValueError must come first, with the
+    # buffers, their sizes and their contents untouched.
+    buffers = MetadataBuffers(Capacity(1, 512), BS, cuda_graphs=False, name="tiny")
+    before = {n: (t.data_ptr(), t.numel(), t.clone()) for n, t in buffers.gpu.items()}
+    mirrors = [{n: t.clone() for n, t in m.items()} for m in buffers.host]
+    with pytest.raises(ValueError, match="slot 3 reads pages up to column 3 of a 3-column"):
+        buffers.write_host([1] * 5, [BS] * 5, [0, 1, 2, 3, 4], [0] * 5,
+                           np.zeros((1, 3), dtype=np.int32))
+    assert (buffers.capacity.batches, buffers.capacity.pages) == (1, 512)
+    for name, (ptr, numel, data) in before.items():
+        t = buffers.gpu[name]
+        assert (t.data_ptr(), t.numel()) == (ptr, numel) and torch.equal(t, data)
+    for saved, m in zip(mirrors, buffers.host, strict=True):
+        assert all(torch.equal(saved[n], m[n]) for n in saved)

@@ -65,13 +65,20 @@ class HostWrites:
         q = np.asarray(query_lens, dtype=np.int64)
         kv = np.asarray(kv_lens, dtype=np.int64)
         num_batches = q.shape[0]
-        self.ensure_capacity(num_batches)
         rows = np.asarray(rows, dtype=np.int64)
         padding = rows < 0
         kv = np.where(padding, 1, kv)
         raise_first(kv <= 0, lambda m: f"{self.name}: slot {m} reads {int(kv[m])} keys; "
                     "every slot needs at least one key")
         pages = cdiv(kv, self.block_size)
+        table = np.asarray(block_table)
+        if table.size:
+            end = np.asarray(first_page, dtype=np.int64) + pages
+            raise_first(~padding & (end > table.shape[1]),
+                        lambda m: f"{self.name}: slot {m} reads pages up to column "
+                        f"{int(end[m]) - 1} of a {table.shape[1]}-column block table")
+        # Bad input is refused above, before any buffer grows or any mirror is claimed.
+        self.ensure_capacity(num_batches)
         num_pages = int(pages.sum())
         self.ensure_capacity(num_batches, num_pages)
         mirror_set = self._claim_mirror_set()
@@ -84,12 +91,7 @@ class HostWrites:
         self._qo_counting[mirror_set] = 0
         host["paged_kv_last_page_len"][:num_batches] = kv - (pages - 1) * self.block_size
         indices = host["paged_kv_indices"][:num_pages]
-        table = np.asarray(block_table)
         if table.size:
-            end = np.asarray(first_page, dtype=np.int64) + pages
-            raise_first(~padding & (end > table.shape[1]),
-                        lambda m: f"{self.name}: slot {m} reads pages up to column "
-                        f"{int(end[m]) - 1} of a {table.shape[1]}-column block table")
             # Flat index of every page: one repeat and one add, then one gather.  The
             # index is intp: np.take casts any other index dtype to it first (an
             # int32 index made the gather ~2x slower).
