@@ -230,6 +230,11 @@ def _check_against_plan(plan: PagedAttentionPlan, q, k_cache) -> None:
                          f"{k_cache.shape[0]} pages")
 
 
+def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[index]`` for a 2-D index; index_select is several times faster on the CPU."""
+    return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
+
+
 def run_paged_attention(plan: PagedAttentionPlan, q, k_cache, v_cache,
                         scale=None) -> torch.Tensor:
     """One layer's attention over a plan: tensor math only, one pass per planned group.
@@ -247,9 +252,9 @@ def run_paged_attention(plan: PagedAttentionPlan, q, k_cache, v_cache,
     flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     for group in plan.groups:
-        k = flat_k[group.key_slots].to(compute).permute(0, 2, 1, 3)  # [g, Hkv, k_pad, D]
-        v = flat_v[group.key_slots].to(compute).permute(0, 2, 1, 3)
-        qg = q[group.q_rows].to(compute).permute(0, 2, 1, 3)         # [g, Hq, q_pad, D]
+        k = _gather(flat_k, group.key_slots).to(compute).permute(0, 2, 1, 3)  # [g, Hkv, k, D]
+        v = _gather(flat_v, group.key_slots).to(compute).permute(0, 2, 1, 3)
+        qg = _gather(q, group.q_rows).to(compute).permute(0, 2, 1, 3)         # [g, Hq, q, D]
         mask = group.mask
         if mask is None:
             mask = group.key_index < group.key_limit
