@@ -72,7 +72,7 @@ def torch_step_builders(batch: wl.Batch, device: str, chunk: int, block: int) ->
     args = (batch.query_start_loc, batch.seq_lens, batch.block_table)
     builders, states = [], []
     for spec in specs(chunk, block):
-        backend = TorchRefBackend(spec)
+        backend = TorchRefBackend(spec, num_q_heads=wl.NUM_Q_HEADS, device=device)
         state = {"meta": backend.build(*args)}
         states.append(state)
 

@@ -183,7 +183,9 @@ class LLM:
         if name == "torch":
             from chunklocal.backends.torch_ref import TorchRefBackend
 
-            return TorchRefBackend(group.spec)
+            # Plans live where q and the caches do; Hq sizes the memory-bounded groups.
+            return TorchRefBackend(group.spec, num_q_heads=self.config.num_attention_heads,
+                                   device=self.device)
         from chunklocal.backends.base import EngineLimits
         from chunklocal.backends.flashinfer import FlashInferBackend
 
