@@ -242,3 +242,26 @@ def test_empty_and_all_padding_batches():
         q = torch.ones(3, 1, 8)
         k = torch.ones(2, 4, 1, 8)
         assert not run_paged_attention(plan, q, k, k).any()
+
+
+def test_bare_cuda_device_names_its_index(monkeypatch):
+    # Tensors on "cuda" report "cuda:<current>", so a plan made for "cuda" must
+    # record the index too, or every forward would refuse q as "on another device".
+    from chunklocal import reference
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert reference._concrete_device("cuda") == torch.device("cuda", 3)
+    assert reference._concrete_device("cuda:1") == torch.device("cuda", 1)
+    assert reference._concrete_device("cpu") == torch.device("cpu")
+
+
+def test_forward_on_a_missing_layer_kind_is_a_value_error():
+    from chunklocal.backends.torch_ref import TorchRefBackend
+    from chunklocal.kv_spec import FullAttentionSpec
+
+    backend = TorchRefBackend(FullAttentionSpec(4, 1, 8, torch.float32))
+    plans = backend.build([0, 3], [3], [[0]])
+    q = torch.randn(3, 1, 8)
+    cache = torch.randn(1, 4, 1, 8)
+    with pytest.raises(ValueError, match="chunked=True: this KV group has no chunked layers"):
+        backend.forward(plans, q, cache, cache, 1.0, chunked=True)

@@ -179,7 +179,7 @@ def plan_paged_attention(query_start_loc, seq_lens, block_table, *, block_size: 
         offset = start % block_size
     pages_end = _check_pages(seq, table, offset, block_size, num_pages)
 
-    device = torch.device(device)
+    device = _concrete_device(device)
     as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     row_of_tile, row_start, rows, keys = _tiles(qsl, seq, query_lens)
     order = np.argsort(keys, kind="stable")
@@ -211,6 +211,15 @@ def plan_paged_attention(query_start_loc, seq_lens, block_table, *, block_size: 
             out_rows=as_dev(q_rows.ravel()[kept])))
     return PagedAttentionPlan(tuple(groups), block_size, num_kv_heads, head_dim, num_q_heads,
                               int(qsl[-1]) if qsl.size else 0, pages_end, device, seq)
+
+
+def _concrete_device(device) -> torch.device:
+    """``"cuda"`` means the current CUDA device: name its index, as tensors on it do,
+    so that the plan's device compares equal to ``q.device``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _check_against_plan(plan: PagedAttentionPlan, q, k_cache) -> None:

@@ -53,4 +53,7 @@ class TorchRefBackend:
             if len(self.kinds) != 1:
                 raise ValueError("a merged group needs chunked=True or chunked=False")
             chunked = self.kinds[0]
+        if chunked not in metadata:
+            kind = "chunked" if chunked else "global"
+            raise ValueError(f"chunked={chunked}: this KV group has no {kind} layers")
         return run_paged_attention(metadata[chunked], q, k_cache, v_cache, scale)
