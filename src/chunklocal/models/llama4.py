@@ -131,15 +131,18 @@ class MoE(nn.Module):
             scores = torch.zeros_like(logits).scatter_(1, top_index, top_score)
             routed = self.experts.run_all(scores.t().unsqueeze(-1) * x.unsqueeze(0))
             return out + routed.sum(0)
-        # Long batches: each expert runs only on its own tokens.
-        token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        # Long batches: each expert runs only on its own tokens.  One stable sort
+        # groups the (token, expert) pairs by expert; one .tolist() of the counts
+        # is the layer's only host sync (not one per expert).
         flat_expert = top_index.reshape(-1)
-        flat_score = top_score.reshape(-1, 1)
-        for expert in range(self.num_experts):
-            chosen = (flat_expert == expert).nonzero().squeeze(1)
-            if chosen.numel():
-                rows = token_of[chosen]
-                out.index_add_(0, rows, self.experts.run(expert, x[rows] * flat_score[chosen]))
+        order = torch.argsort(flat_expert, stable=True)
+        rows_sorted = torch.div(order, self.top_k, rounding_mode="floor")
+        scores_sorted = top_score.reshape(-1, 1)[order]
+        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
+        pieces = zip(rows_sorted.split(counts), scores_sorted.split(counts), strict=True)
+        for expert, (rows, scores) in enumerate(pieces):
+            if counts[expert]:
+                out.index_add_(0, rows, self.experts.run(expert, x[rows] * scores))
         return out
 
 
