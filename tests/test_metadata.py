@@ -276,3 +276,14 @@ def test_bad_table_is_refused_before_any_buffer_grows():
         assert (t.data_ptr(), t.numel()) == (ptr, numel) and torch.equal(t, data)
     for saved, m in zip(mirrors, buffers.host, strict=True):
         assert all(torch.equal(saved[n], m[n]) for n in saved)
+
+
+def test_real_slots_need_real_table_rows_and_columns():
+    buffers = MetadataBuffers(Capacity(4, 64), BS, cuda_graphs=False, name="tiny")
+    with pytest.raises(ValueError, match="slot 0 reads pages up to column 0 of a 0-column"):
+        buffers.write_host([1], [5], [0], [0], np.zeros((1, 0), np.int32))
+    with pytest.raises(ValueError, match="slot 1 reads block-table row 2 of a 2-row table"):
+        buffers.write_host([1, 1], [5, 5], [0, 0], [0, 2], np.zeros((2, 1), np.int32))
+    # A padding slot (row -1) reads the scratch page and needs no table at all.
+    step = buffers.write_host([1], [5], [0], [-1], np.zeros((1, 0), np.int32), scratch_page=7)
+    assert step.paged_kv_indices.tolist() == [7]

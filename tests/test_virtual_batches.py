@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from oracle import token_split_oracle
 
 from chunklocal import VirtualBatches, make_virtual_batches
+from chunklocal.virtual_batches import validate_batch
 
 
 def consecutive_table(seq_lens, block_size):
@@ -240,3 +241,14 @@ def test_device_tensors_are_refused():
     seq = torch.tensor([3], device="meta")
     with pytest.raises(ValueError, match=r"seq_lens must be on the CPU.*meta"):
         make_virtual_batches([0, 1], seq, Z(1, 2), 4, 2)
+
+
+@pytest.mark.parametrize("value", [2**31, 2**32 + 5, -(2**31) - 1])
+def test_page_ids_outside_int32_are_refused_not_wrapped(value):
+    # Kernels take int32 page ids: a wider table whose id would wrap is an error
+    # naming the request and the entry, in every path that validates a batch.
+    table = np.array([[1, 2], [3, value]], dtype=np.int64)
+    with pytest.raises(ValueError, match=rf"request 1: block_table\[1, 1\] = {value} "):
+        make_virtual_batches([0, 1, 2], [1, 17], table, 32, 16)
+    with pytest.raises(ValueError, match=rf"request 1: block_table\[1, 1\] = {value} "):
+        validate_batch([0, 1, 2], [1, 17], table, 16)

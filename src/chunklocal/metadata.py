@@ -254,7 +254,11 @@ def group_capacities(spec, limits, graph_batch_sizes=(), query_lens=(1,)) -> dic
 
 def write_step(buffers: MetadataBuffers, qsl, seq, table, query_lens,
                chunk: int | None) -> HostStep:
-    """Eager step: virtual batches (chunked) or requests with queries (global) -> mirrors."""
+    """Eager step: virtual batches (chunked) or requests with queries (global) -> mirrors.
+
+    The batch must already have passed :func:`chunklocal.virtual_batches.validate_batch`
+    (the backends call it first); the pure-decode fast path does not re-check it.
+    """
     from chunklocal.virtual_batches import make_virtual_batches
 
     query_lens = np.asarray(query_lens)

@@ -72,11 +72,15 @@ class HostWrites:
                     "every slot needs at least one key")
         pages = cdiv(kv, self.block_size)
         table = np.asarray(block_table)
-        if table.size:
-            end = np.asarray(first_page, dtype=np.int64) + pages
-            raise_first(~padding & (end > table.shape[1]),
-                        lambda m: f"{self.name}: slot {m} reads pages up to column "
-                        f"{int(end[m]) - 1} of a {table.shape[1]}-column block table")
+        if table.ndim != 2:
+            raise ValueError(f"{self.name}: block_table must be 2-D, got shape {table.shape}")
+        end = np.asarray(first_page, dtype=np.int64) + pages
+        raise_first(~padding & (end > table.shape[1]),
+                    lambda m: f"{self.name}: slot {m} reads pages up to column "
+                    f"{int(end[m]) - 1} of a {table.shape[1]}-column block table")
+        raise_first(~padding & (rows >= table.shape[0]),
+                    lambda m: f"{self.name}: slot {m} reads block-table row {int(rows[m])} "
+                    f"of a {table.shape[0]}-row table")
         # Bad input is refused above, before any buffer grows or any mirror is claimed.
         self.ensure_capacity(num_batches)
         num_pages = int(pages.sum())

@@ -41,6 +41,9 @@ class VirtualBatches:
         return np.diff(self.query_start_loc)
 
 
+_INT32_MAX = np.iinfo(np.int32).max
+
+
 def validate_batch(query_start_loc, seq_lens, block_table, block_size: int):
     """Check one step's batch description; return it as numpy arrays.
 
@@ -74,6 +77,13 @@ def validate_batch(query_start_loc, seq_lens, block_table, block_size: int):
     raise_first(seq < 0, lambda i: f"request {i}: seq_len {int(seq[i])} is negative")
     raise_first(query_lens > seq, lambda i: (
         f"request {i}: query length {int(query_lens[i])} exceeds seq_len {int(seq[i])}"))
+    if table.size and (table.dtype.itemsize > 4 or table.dtype == np.uint32):
+        # Page ids reach kernels as int32: one range check, only for wider tables.
+        out_of_range = (table > _INT32_MAX) | (table < -_INT32_MAX - 1)
+        if out_of_range.any():
+            i, j = (int(x) for x in np.argwhere(out_of_range)[0])
+            raise ValueError(f"request {i}: block_table[{i}, {j}] = {int(table[i, j])} "
+                             "does not fit an int32 page id")
     pages_needed = -(-seq // block_size)
     raise_first(pages_needed > table.shape[1], lambda i: (
         f"request {i}: seq_len {int(seq[i])} needs {int(pages_needed[i])} pages of "
@@ -81,7 +91,6 @@ def validate_batch(query_start_loc, seq_lens, block_table, block_size: int):
     return qsl, seq, table, query_lens
 
 
-_INT32_MAX = np.iinfo(np.int32).max
 
 
 def _check_fits_int32(qsl, seq) -> None:
@@ -146,13 +155,6 @@ def make_virtual_batches(
         local_table = np.zeros((num_batches, pages_per_chunk), dtype=np.int64)
     else:
         local_table = np.take(table.reshape(-1), flat)
-    if local_table.size and (local_table.max() > _INT32_MAX
-                             or local_table.min() < -_INT32_MAX - 1):
-        m, col = np.argwhere((local_table > _INT32_MAX) | (local_table < -_INT32_MAX - 1))[0]
-        i = int(request[m])
-        j = int(flat[m, col]) - i * width
-        raise ValueError(f"request {i}: block_table[{i}, {j}] = {int(table[i, j])} does not "
-                         "fit the int32 local block table")
 
     return VirtualBatches(
         query_start_loc=local_qsl.astype(np.int32),
