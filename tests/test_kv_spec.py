@@ -103,3 +103,13 @@ def test_needs_global_pages_is_conservative_for_foreign_specs():
                                                   has_global_layers=False))
     # A merged spec that carries a chunk size is read by the global layers too.
     assert needs_global_pages(full(attention_chunk_size=8192))
+
+
+@pytest.mark.parametrize("field", ["block_size", "num_kv_heads", "head_size"])
+def test_fractional_geometry_is_refused_not_truncated(field):
+    values = dict(block_size=16, num_kv_heads=8, head_size=128)
+    values[field] = 16.5
+    with pytest.raises(ValueError, match=rf"{field} must be an integer, got 16.5"):
+        FullAttentionSpec(dtype=torch.bfloat16, **values)
+    with pytest.raises(ValueError, match="attention_chunk_size must be an integer"):
+        ChunkedLocalAttentionSpec(16, 8, 128, torch.bfloat16, attention_chunk_size=8192.5)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from chunklocal._validate import as_int
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec:
@@ -35,7 +37,7 @@ class FullAttentionSpec:
     def __post_init__(self):
         for name in ("block_size", "num_kv_heads", "head_size"):
             value = getattr(self, name)
-            if int(value) <= 0:
+            if as_int(value, f"{type(self).__name__}.{name}") <= 0:
                 raise ValueError(f"{type(self).__name__}.{name} must be positive, got {value}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"{type(self).__name__}.dtype must be a torch.dtype, "
@@ -43,7 +45,8 @@ class FullAttentionSpec:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         chunk = self.attention_chunk_size
-        if chunk is not None and (chunk <= 0 or chunk % self.block_size):
+        if chunk is not None and (as_int(chunk, "attention_chunk_size") <= 0
+                                  or chunk % self.block_size):
             raise ValueError(
                 f"attention_chunk_size {chunk} must be a positive multiple of "
                 f"block_size {self.block_size}"

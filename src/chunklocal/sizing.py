@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from chunklocal import bounds
-from chunklocal._validate import cdiv, check_chunk_geometry
+from chunklocal._validate import as_int, cdiv, check_chunk_geometry
 
 # The reporter's configuration in vLLM issue 49980.
 REPORTER_CONFIG = dict(max_num_seqs=1, max_num_batched_tokens=36000, max_model_len=36000,
@@ -64,7 +64,7 @@ def buffer_rows(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
     for name, value in (("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
-        if int(value) <= 0:
+        if as_int(value, name) <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     check_chunk_geometry(chunk_size, block_size)
     n = max_num_seqs
