@@ -94,6 +94,12 @@ def needs_global_pages(spec) -> bool:
     return chunk_size_of(spec) is None or bool(getattr(spec, "has_global_layers", True))
 
 
+def attention_kinds(spec) -> tuple[bool, ...]:
+    """Which layer kinds read this spec: (True,) chunked, (False,) global, or both (merged)."""
+    chunked = (True,) if chunk_size_of(spec) else ()
+    return chunked + ((False,) if needs_global_pages(spec) else ())
+
+
 def merge(specs) -> FullAttentionSpec:
     """Merge the specs of the layers of one KV-cache group into one spec.
 

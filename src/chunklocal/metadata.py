@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from chunklocal import bounds
-from chunklocal._validate import cdiv
 from chunklocal.graph_layout import (
     graph_slots,
     slot_page_limits,
@@ -42,6 +41,7 @@ from chunklocal.graph_layout import (
     write_graph_step,
     write_graph_step_device,
 )
+from chunklocal.kv_spec import attention_kinds, chunk_size_of
 from chunklocal.metadata_host import HostStep, HostWrites, _DecodeCache
 
 __all__ = [
@@ -78,13 +78,6 @@ class Capacity:
         return Capacity(max(self.batches, other.batches), max(self.pages, other.pages))
 
 
-def _global_pages(n_max: int, tokens: int, model_len: int, block_size: int) -> int:
-    exact = getattr(bounds, "max_global_pages", None)
-    if exact is not None:
-        return int(exact(n_max, tokens, model_len, block_size))
-    return min(n_max, tokens) * cdiv(model_len, block_size)
-
-
 def step_capacity(spec, limits, *, chunked: bool) -> Capacity:
     """Most slots and pages one eager step can need, for the chunked or global layers.
 
@@ -93,12 +86,11 @@ def step_capacity(spec, limits, *, chunked: bool) -> Capacity:
     ``chunked=False`` sizes whole requests (global layers: a plain full spec, or the
     global layers of a merged group, which keep room for whole sequences).
     """
-    from chunklocal.kv_spec import chunk_size_of
-
     n_max, tokens = limits.max_num_seqs, limits.max_num_batched_tokens
     model_len, block_size = limits.max_model_len, spec.block_size
     if not chunked:
-        return Capacity(min(n_max, tokens), _global_pages(n_max, tokens, model_len, block_size))
+        return Capacity(min(n_max, tokens),
+                        bounds.max_global_pages(n_max, tokens, model_len, block_size))
     chunk = chunk_size_of(spec)
     if chunk is None:
         raise ValueError(f"chunked=True needs a spec with a chunk size, got {spec!r}")
@@ -229,18 +221,8 @@ class MetadataBuffers(HostWrites):
 
 
 # ------------------------------------------------------------- whole steps
-def attention_kinds(spec) -> tuple[bool, ...]:
-    """Which layer kinds read this spec: (True,) chunked, (False,) global, or both (merged)."""
-    from chunklocal.kv_spec import chunk_size_of, needs_global_pages
-
-    chunked = (True,) if chunk_size_of(spec) else ()
-    return chunked + ((False,) if needs_global_pages(spec) else ())
-
-
 def group_capacities(spec, limits, graph_batch_sizes=(), query_lens=(1,)) -> dict:
     """Capacity per layer kind: the step bound, widened for padded graph layouts."""
-    from chunklocal.kv_spec import chunk_size_of
-
     out = {}
     for chunked in attention_kinds(spec):
         capacity = step_capacity(spec, limits, chunked=chunked)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from chunklocal.kv_spec import chunk_size_of, needs_global_pages
+from chunklocal.kv_spec import attention_kinds, chunk_size_of
 from chunklocal.reference import PagedAttentionPlan, plan_paged_attention, run_paged_attention
 from chunklocal.virtual_batches import make_virtual_batches
 
@@ -27,8 +27,7 @@ class TorchRefBackend:
         self.block_size = spec.block_size
         self.chunk = chunk_size_of(spec)
         #: Layer kinds reading this group: True = chunked, False = global.
-        self.kinds = ((True,) if self.chunk else ()) + ((False,) if needs_global_pages(spec)
-                                                        else ())
+        self.kinds = attention_kinds(spec)
         self.geometry = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                              head_dim=spec.head_size, num_q_heads=num_q_heads,
                              device=torch.device(device))
