@@ -290,3 +290,38 @@ def test_moe_sparse_path_matches_dense_path(monkeypatch):
         monkeypatch.setattr(MoE, "DENSE_MAX_TOKENS", x.shape[0])
         dense = moe(x)
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("entry", ["generate", "prompt_logits"])
+def test_failed_step_frees_every_request(ckpt, monkeypatch, error, entry):
+    """A step that raises mid-call leaves no pages held and nothing queued; the next call
+    answers exactly like a fresh engine (the stale requests do not run again)."""
+    path, _ = ckpt
+    kwargs = dict(max_num_seqs=2, max_num_batched_tokens=24, max_model_len=128)
+    llm = chunklocal.LLM(path, **kwargs)
+    real_run, calls = llm.runner.run, []
+
+    def run_then_fail(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error("step failed")
+        return real_run(*args)
+
+    monkeypatch.setattr(llm.runner, "run", run_then_fail)
+    with pytest.raises(error, match="step failed"):
+        if entry == "generate":
+            llm.generate(prompts_of([40, 9, 30], seed=12), max_new_tokens=5)
+        else:
+            llm.prompt_logits(prompts_of([40, 9, 30], seed=12))
+    assert len(calls) == 2
+    assert not llm.scheduler.running and not llm.scheduler.waiting
+    for group in llm.groups:
+        assert sorted(group.free_blocks) == list(range(group.num_blocks))
+    assert sorted(llm.block_manager.free_rows) == list(range(kwargs["max_num_seqs"]))
+    assert not any(table.any() for table in llm.block_manager.tables)
+    monkeypatch.setattr(llm.runner, "run", real_run)
+    prompts = prompts_of([33, 12], seed=13)
+    fresh = chunklocal.LLM(path, **kwargs).generate(prompts, max_new_tokens=6)
+    assert llm.generate(prompts, max_new_tokens=6) == fresh
+    assert llm.last_stats.requests == 2

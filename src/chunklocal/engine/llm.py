@@ -269,6 +269,15 @@ class LLM:
         for ids in token_lists:
             seqs.append(Sequence(self._next_id, ids, params, len(self.groups)))
             self._next_id += 1
+        try:
+            return self._run_to_completion(seqs, params, use_tqdm)
+        except BaseException:
+            # KeyboardInterrupt, CapacityError, ...: no request may keep pages or
+            # stay queued, or the next generate() would run it too.
+            self.scheduler.abort_all()
+            raise
+
+    def _run_to_completion(self, seqs, params, use_tqdm):
         for seq in seqs:
             self.scheduler.add(seq)
         sched = self.scheduler

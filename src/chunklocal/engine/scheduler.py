@@ -74,6 +74,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort_all(self) -> list[Sequence]:
+        """Drop every unfinished request and give back its pages (after a failed step).
+
+        Returns the dropped requests.  Leaves the scheduler and block manager as
+        if none of them had been added, so the next call starts clean.
+        """
+        dropped = [*self.running, *self.waiting]
+        for seq in dropped:
+            self.block_manager.free(seq)
+            seq.num_computed = 0
+            seq.status = Status.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+        return dropped
+
     def _draft(self, seq: Sequence) -> list[int]:
         if seq.params.temperature > 0:
             return []  # drafts are verified greedily
