@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from llama4_tiny import hf_greedy, hf_logits, rel_err, write_tiny_llama4
@@ -210,6 +211,40 @@ def test_bad_prompt_rejected_before_any_work(ckpt, bad, message):
     assert not llm.scheduler.has_work()
     assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
     assert llm.generate(good, max_new_tokens=8) == [hf_greedy(hf, p, 8) for p in good]
+
+
+@pytest.mark.parametrize("name, value", [
+    ("max_num_seqs", 2.5), ("max_num_seqs", True), ("block_size", 16.0),
+    ("max_num_batched_tokens", "64"), ("max_model_len", 127.9), ("max_model_len", 0),
+    ("num_kv_blocks", 40.5), ("num_speculative_tokens", 1.5), ("seed", 0.5),
+])
+def test_non_integer_engine_config_rejected(ckpt, name, value):
+    path, _ = ckpt
+    kwargs = dict(max_model_len=128)
+    kwargs[name] = value
+    with pytest.raises(ValueError, match=rf"{name} must be (an integer|positive), got {value!r}"):
+        chunklocal.LLM(path, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=True), "max_new_tokens must be an integer, got True"),
+    (dict(max_new_tokens=2.0), "max_new_tokens must be an integer, got 2.0"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive int, got 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
+    (dict(temperature="0.5"), "temperature must be a finite number >= 0, got '0.5'"),
+])
+def test_bad_generate_arguments_rejected_before_any_work(ckpt, kwargs, message):
+    path, _ = ckpt
+    llm = chunklocal.LLM(path, max_model_len=128)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts_of([9]), **kwargs)
+    assert not llm.scheduler.has_work()
+    assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+    # numpy integers and floats are exact values, not mistakes
+    assert len(llm.generate(prompts_of([9]), max_new_tokens=np.int64(3),
+                            temperature=np.float32(0.0))[0]) == 3
 
 
 # -- API ------------------------------------------------------------------------------------

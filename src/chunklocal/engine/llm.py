@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from chunklocal import bounds
-from chunklocal._validate import cdiv, check_chunk_geometry
+from chunklocal._validate import as_int, cdiv, check_chunk_geometry
 from chunklocal.engine.block_manager import BlockManager, KVGroup
 from chunklocal.engine.model_runner import ModelRunner
 from chunklocal.engine.scheduler import Scheduler
@@ -70,14 +71,20 @@ class LLM:
         self.model_dir = Path(model)
         config = load_text_config(self.model_dir)
         self.config = config
-        self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        if max_model_len is None:
+            max_model_len = config.max_position_embeddings
+        # Exact integers only: 2.5 requests per step is a mistake, not 2.
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", self.max_model_len)):
-            if int(value) <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if num_speculative_tokens < 0:
+                            ("max_model_len", max_model_len)):
+            if as_int(value, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
+        if as_int(num_speculative_tokens, "num_speculative_tokens") < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        if num_kv_blocks is not None and as_int(num_kv_blocks, "num_kv_blocks") <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {num_kv_blocks!r}")
+        seed = as_int(seed, "seed")
+        self.max_model_len = int(max_model_len)
         chunk = config.attention_chunk_size
         if chunk is not None:
             check_chunk_geometry(chunk, block_size)
@@ -210,8 +217,9 @@ class LLM:
     def _check_prompts(self, prompts, max_new_tokens):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of token-id lists or of strings")
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        if as_int(max_new_tokens, "max_new_tokens") <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
         as_text = bool(prompts) and all(isinstance(p, str) for p in prompts)
         ids = [self.tokenizer(p)["input_ids"] for p in prompts] if as_text else prompts
         vocab = self.config.vocab_size
@@ -242,10 +250,12 @@ class LLM:
         ValueError naming its index and value.  ``use_tqdm=None`` shows the
         progress bar and the summary line only for calls longer than 2 s.
         """
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if (isinstance(temperature, (bool, np.bool_))
+                or not isinstance(temperature, (int, float, np.integer, np.floating))
+                or not math.isfinite(temperature) or temperature < 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         token_lists, as_text = self._check_prompts(prompts, max_new_tokens)
-        params = SamplingParams(max_new_tokens, float(temperature), bool(ignore_eos))
+        params = SamplingParams(int(max_new_tokens), float(temperature), bool(ignore_eos))
         seqs = self._run(token_lists, params, use_tqdm)
         outputs = [seq.output_ids for seq in seqs]
         if as_text:
