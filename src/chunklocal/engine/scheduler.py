@@ -25,9 +25,12 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)        # query tokens per request
     drafts: list[list[int]] = field(default_factory=list)   # speculative tokens per request
+    #: ``seq_id`` of every request in ``seqs`` (constant-time "already scheduled?").
+    scheduled_ids: set[int] = field(default_factory=set)
 
     def add(self, seq, num_new, draft=()):
         self.seqs.append(seq)
+        self.scheduled_ids.add(seq.seq_id)
         self.num_new.append(num_new)
         self.drafts.append(list(draft))
 
@@ -111,9 +114,11 @@ class Scheduler:
     def _fit(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         """Get pages for ``seq``, preempting unscheduled later requests; False if it yields."""
         while not self.block_manager.can_allocate(seq, num_new):
-            victims = [s for s in self.running if s is not seq and s not in batch.seqs]
-            self._preempt(victims[-1] if victims else seq)
-            if not victims:
+            # The most recently admitted running request not yet scheduled this step.
+            victim = next((s for s in reversed(self.running)
+                           if s is not seq and s.seq_id not in batch.scheduled_ids), None)
+            self._preempt(seq if victim is None else victim)
+            if victim is None:
                 return False
         self.block_manager.allocate(seq, num_new)
         return True
@@ -126,7 +131,7 @@ class Scheduler:
         for seq in decodes + prefills:
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted by an earlier request this step
+            if seq.status is not Status.RUNNING:  # preempted by an earlier request this step
                 continue
             if seq.is_prefilling:
                 draft, num_new = [], min(seq.num_uncomputed, budget)
@@ -177,6 +182,7 @@ class Scheduler:
                     break
             if seq.status is Status.FINISHED:
                 self.block_manager.free(seq)
-                self.running.remove(seq)
                 finished.append(seq)
+        if finished:  # one pass, order kept (not one list.remove per finished request)
+            self.running = [s for s in self.running if s.status is not Status.FINISHED]
         return finished
