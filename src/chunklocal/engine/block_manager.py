@@ -7,9 +7,12 @@ first query, so before each allocation it frees the pages wholly before
 of local KV.  Merged mode has one group whose spec carries the chunk size but
 also global layers (``needs_global_pages``), so it keeps every page.
 
-Allocation is all-or-nothing across groups: :meth:`can_allocate` is checked
-first and :meth:`allocate` then cannot fail, so a request that has to wait or
-be preempted leaves every pool exactly as it was.
+Allocation is all-or-nothing across groups: every caller (the scheduler)
+checks :meth:`can_allocate` first and :meth:`allocate` then cannot fail, so a
+request that has to wait or be preempted leaves every pool exactly as it was.
+
+Each free list is a Python list used as a stack: pages are taken from and
+given back at its end in one slice, never one ``popleft`` per page.
 
 Each running request also owns a row of a persistent numpy block table per
 group (``tables[g][seq.row]``), written only when pages change, so a step's
@@ -37,7 +40,8 @@ class KVGroup:
         self.block_size = self.spec.block_size
         #: Chunk size pages are freed by, or None when the group keeps all pages.
         self.free_chunk = None if needs_global_pages(self.spec) else chunk_size_of(self.spec)
-        self.free_blocks = deque(range(self.num_blocks))
+        # Reversed so a fresh pool hands out pages 0, 1, 2, ... in order.
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self.peak_used = 0
 
     @property
@@ -74,24 +78,27 @@ class BlockManager:
                    for g, grp in enumerate(self.groups))
 
     def allocate(self, seq: Sequence, num_new: int) -> None:
-        """Give ``seq`` pages for positions up to ``num_computed + num_new``."""
-        if not self.can_allocate(seq, num_new):
-            raise RuntimeError(f"request {seq.seq_id}: allocate() without can_allocate()")
+        """Give ``seq`` pages for positions up to ``num_computed + num_new``.
+
+        Precondition: ``can_allocate(seq, num_new)`` (not re-checked here).
+        """
         if seq.row is None:
             seq.row = self.free_rows.popleft()
         for g, grp in enumerate(self.groups):
             table, row = seq.block_tables[g], self.tables[g][seq.row]
             stale = grp.stale_pages(seq, g)
             first = seq.first_owned_page[g]
-            for page in range(first, first + stale):
-                grp.free_blocks.append(table[page])
-                table[page] = 0  # placeholder: never read, see Sequence
-            row[first:first + stale] = 0
+            if stale:
+                grp.free_blocks.extend(table[first:first + stale])
+                table[first:first + stale] = [0] * stale  # placeholders: never read, see Sequence
+                row[first:first + stale] = 0
             seq.first_owned_page[g] = first + stale
-            start = len(table)
-            for _ in range(grp.new_pages(seq, g, num_new)):
-                table.append(grp.free_blocks.popleft())
-            row[start:len(table)] = table[start:]
+            start, count = len(table), grp.new_pages(seq, g, num_new)
+            if count:
+                free = grp.free_blocks
+                table.extend(free[:-count - 1:-1])
+                del free[-count:]
+                row[start:start + count] = table[start:]
             grp.peak_used = max(grp.peak_used, grp.num_used)
 
     def free(self, seq: Sequence) -> None:
