@@ -295,14 +295,30 @@ def test_sampling_is_seeded_and_in_vocabulary(ckpt):
 
 
 def test_progress_bar_and_summary_line(ckpt, capsys):
+    """The summary's virtual-batch peak equals a count derived by hand from the schedule.
+
+    c = 32, 40 query tokens per step, 2 requests at a time, prompts A=70, B=5, C=33,
+    4 new tokens each: step 1 prefills A[0, 40); step 2 A[40, 70) + B[0, 5); steps 3-5
+    decode A (position 70, 71, 72) and B (5, 6, 7); step 6 prefills C[0, 33) (A and B
+    are done); steps 7-9 decode C (33, 34, 35).
+    """
     path, _ = ckpt
+    c = 32
+    schedule = [[(0, 40)], [(40, 70), (0, 5)], [(70, 71), (5, 6)], [(71, 72), (6, 7)],
+                [(72, 73), (7, 8)], [(0, 33)], [(33, 34)], [(34, 35)], [(35, 36)]]
+    # One virtual batch per chunk a request's query touches.
+    per_step = [sum(len({p // c for p in range(start, end)}) for start, end in step)
+                for step in schedule]
+    assert per_step == [2, 3, 2, 2, 2, 2, 1, 1, 1]
     llm = chunklocal.LLM(path, max_num_seqs=2, max_num_batched_tokens=40, max_model_len=256)
-    llm.generate(prompts_of([70, 5, 33], seed=11), max_new_tokens=4, use_tqdm=True)
+    llm.generate(prompts_of([70, 5, 33], seed=11), max_new_tokens=4, ignore_eos=True,
+                 use_tqdm=True)
     err = capsys.readouterr().err
     assert "generate" in err and "3/3" in err
     assert "3 requests, 108 prompt + 12 new tokens" in err
-    assert f"peak virtual batches per step {llm.last_stats.peak_virtual_batches}" in err
-    assert llm.last_stats.peak_virtual_batches >= 2  # a 40-token piece crossing a chunk
+    assert f"{len(schedule)} steps, peak virtual batches per step {max(per_step)}," in err
+    assert llm.runner.virtual_batches_per_step == per_step
+    assert llm.runner.tokens_per_step == [sum(e - s for s, e in step) for step in schedule]
 
 
 def test_moe_sparse_path_matches_dense_path(monkeypatch):
