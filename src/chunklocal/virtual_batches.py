@@ -101,6 +101,14 @@ def _check_fits_int32(qsl, seq) -> None:
         f"request {max(i - 1, 0)}: query_start_loc[{i}] = {int(qsl[i])} does not fit int32"))
 
 
+def virtual_batches_per_request(query_lens, seq_lens, chunk_size: int) -> np.ndarray:
+    """Chunks touched by each request's queries (0 for q = 0), int64; inputs validated."""
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    touched = (seq_lens - 1) // chunk_size - (seq_lens - query_lens) // chunk_size + 1
+    return np.where(query_lens > 0, touched, 0)
+
+
 def make_virtual_batches(
     query_start_loc, seq_lens, block_table, chunk_size: int, block_size: int
 ) -> VirtualBatches:
@@ -123,10 +131,8 @@ def make_virtual_batches(
     c = int(chunk_size)
     _check_fits_int32(qsl, seq)
     context = seq - query_lens
-    active = query_lens > 0
     first_chunk = context // c
-    last_chunk = np.where(active, (seq - 1) // c, first_chunk - 1)
-    per_request = (last_chunk - first_chunk + 1).astype(np.int64)
+    per_request = virtual_batches_per_request(query_lens, seq, c)
 
     num_batches = int(per_request.sum())
     request = np.repeat(np.arange(seq.shape[0], dtype=np.int64), per_request)

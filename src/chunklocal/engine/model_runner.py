@@ -20,6 +20,7 @@ from chunklocal._validate import cdiv
 from chunklocal.engine.block_manager import BlockManager
 from chunklocal.engine.scheduler import ScheduledBatch
 from chunklocal.models.llama4 import CHUNKED, AttentionStep
+from chunklocal.virtual_batches import virtual_batches_per_request
 
 
 @dataclass
@@ -106,10 +107,8 @@ class ModelRunner:
         if not self.chunk_size:
             return
         # Virtual batches of the step (a statistic; each backend makes its own).
-        qlens = np.diff(inputs.query_start_loc).astype(np.int64)
-        seq = inputs.seq_lens.astype(np.int64)
-        count = int(((seq - 1) // self.chunk_size - (seq - qlens) // self.chunk_size
-                     + 1)[qlens > 0].sum())
+        count = int(virtual_batches_per_request(np.diff(inputs.query_start_loc),
+                                                inputs.seq_lens, self.chunk_size).sum())
         self.peak_virtual_batches = max(self.peak_virtual_batches, count)
         self.virtual_batches_per_step.append(count)
 
