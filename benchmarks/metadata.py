@@ -44,6 +44,29 @@ def cases(smoke: bool) -> list[wl.Batch]:
     return [wl.decode_ragged_contexts(256), wl.single_prefill(36000), wl.mixed()]
 
 
+def count_builds(strategy, *builders) -> int:
+    """How many metadata builds one call of ``strategy`` makes (so a row's label is checked,
+    not trusted)."""
+    calls = 0
+    originals = [b.build for b in builders]
+
+    def counted(build):
+        def wrapper(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return build(*args, **kwargs)
+        return wrapper
+
+    for b, build in zip(builders, originals, strict=True):
+        b.build = counted(build)
+    try:
+        strategy()
+    finally:
+        for b, build in zip(builders, originals, strict=True):
+            b.build = build
+    return calls
+
+
 def run_case(batch: wl.Batch, args, errors: list) -> list[dict]:
     rows = []
     builders = make_step_builders(batch, args.device, args.implementation)
@@ -66,6 +89,11 @@ def run_case(batch: wl.Batch, args, errors: list) -> list[dict]:
         for _ in range(NUM_LAYERS - CHUNKED_LAYERS):
             global_.build()
 
+    builds_per_step = {}
+    for how, strategy in (("once per step", once), ("per KV group (3+1)", per_group),
+                          ("per layer (36+12)", per_layer)):
+        builds_per_step[how] = count_builds(strategy, chunked, global_)
+
     t_chunked = cpu_time_us(chunked.build, repeats, warmup=3)
     t_global = cpu_time_us(global_.build, repeats, warmup=3)
     t_once = cpu_time_us(once, repeats, warmup=2)
@@ -86,6 +114,7 @@ def run_case(batch: wl.Batch, args, errors: list) -> list[dict]:
             "build_us": t["median"], "p10_us": t["p10"], "p90_us": t["p90"],
             "chunked_build_us": t_chunked["median"], "global_build_us": t_global["median"],
             "virtual_batches": builders.num_virtual_batches,
+            "builds_per_step": builds_per_step[how],
         }
         if attention_us is not None:
             row["attention_us_48_layers"] = attention_us
