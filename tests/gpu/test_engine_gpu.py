@@ -44,6 +44,12 @@ def rel_err(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
+def row_rel_err(actual, expected):
+    """Per position: max |actual - expected| over the vocabulary / max |expected|."""
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    return (actual - expected).abs().amax(-1) / expected.abs().amax(-1)
+
+
 def same_fraction(outs_a, outs_b):
     pairs = [(x, y) for a, b in zip(outs_a, outs_b, strict=True)
              for x, y in zip(a, b, strict=True)]
@@ -137,16 +143,23 @@ def test_bf16_logits_close_to_transformers_random_model(tiny):
     path, hf, hf32 = tiny
     prompts = prompts_of(LENGTHS, seed=1, vocab=512)
     llm = engine(path)
-    errs, errs16 = [], []
+    ours, floor = [], []
     for prompt, got in zip(prompts, llm.prompt_logits(prompts), strict=True):
         ids = torch.tensor([prompt], device="cuda")
-        errs.append(rel_err(got, hf32(ids).logits[0]))
-        errs16.append(rel_err(hf(ids).logits[0], hf32(ids).logits[0]))
-    print(f"\nprefill logits rel max error vs transformers float32: ours {max(errs):.2e}, "
-          f"transformers bf16 {max(errs16):.2e}")
-    # bf16 itself moves these logits by several percent (transformers' own bf16 run is the
-    # floor, 6.8e-2 on the H200): ours must stay within twice that floor.
-    assert max(errs) <= 2 * max(errs16)
+        exact = hf32(ids).logits[0].float().cpu()
+        ours.append(row_rel_err(got, exact))
+        floor.append(row_rel_err(hf(ids).logits[0], exact))
+    ours, floor = torch.cat(ours), torch.cat(floor)
+    quantiles = torch.tensor([0.5, 0.9, 0.99, 1.0], dtype=torch.float64)
+    q_ours, q_floor = ours.quantile(quantiles), floor.quantile(quantiles)
+    print("\nprefill logits, per-position relative max error vs transformers float32 "
+          f"({len(ours)} positions), p50/p90/p99/max: ours "
+          f"{' '.join(f'{x:.2e}' for x in q_ours)}, transformers bf16 "
+          f"{' '.join(f'{x:.2e}' for x in q_floor)}")
+    # bf16 itself moves these logits by ~1% per position and by several percent where it
+    # flips an MoE routing choice; transformers' own bf16 run is that floor.  Ours must
+    # follow the same distribution: p50/p90 within 1.25x, p99 within 1.5x, max within 2x.
+    assert (q_ours <= torch.tensor([1.25, 1.25, 1.5, 2.0], dtype=torch.float64) * q_floor).all()
     outs = llm.generate(prompts, max_new_tokens=NEW, ignore_eos=True)
     forced = teacher_forced_agreement(hf32, prompts, outs)
     floor = teacher_forced_agreement(hf32, prompts, hf_generate(hf, prompts))
