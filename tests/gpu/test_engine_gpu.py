@@ -56,11 +56,11 @@ def same_fraction(outs_a, outs_b):
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-def load_hf(path, dtype):
+def load_hf(path, dtype, attn_implementation="sdpa"):
     from transformers import Llama4ForCausalLM
 
-    return Llama4ForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                             attn_implementation="sdpa").cuda().eval()
+    return Llama4ForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation=attn_implementation).cuda().eval()
 
 
 def hf_generate(hf, prompts):
@@ -90,7 +90,8 @@ def tiny(tmp_path_factory):
     # initializer_range 0.05: transformers' own bf16 greedy choices agree with its float32
     # ones on ~98% of fixed-prefix positions (0.1: ~94%).
     write_tiny_llama4(path, seed=0, initializer_range=0.05, **GEOMETRY)
-    return path, load_hf(path, BF16), load_hf(path, torch.float32)
+    return (path, load_hf(path, BF16), load_hf(path, BF16, "eager"),
+            load_hf(path, torch.float32))
 
 
 def teacher_forced_agreement(hf, prompts, outputs):
@@ -140,31 +141,33 @@ def test_bf16_tokens_match_transformers_flashinfer_graphs(trained):
 
 @torch.inference_mode()
 def test_bf16_logits_close_to_transformers_random_model(tiny):
-    path, hf, hf32 = tiny
+    path, hf, hf_eager, hf32 = tiny
     prompts = prompts_of(LENGTHS, seed=1, vocab=512)
     llm = engine(path)
-    ours, floor = [], []
+    errors = {"ours": [], "transformers bf16 sdpa": [], "transformers bf16 eager": []}
     for prompt, got in zip(prompts, llm.prompt_logits(prompts), strict=True):
         ids = torch.tensor([prompt], device="cuda")
-        exact = hf32(ids).logits[0].float().cpu()
-        ours.append(row_rel_err(got, exact))
-        floor.append(row_rel_err(hf(ids).logits[0], exact))
-    ours, floor = torch.cat(ours), torch.cat(floor)
+        exact = hf32(ids).logits[0]
+        for name, logits in zip(errors, (got, hf(ids).logits[0], hf_eager(ids).logits[0]),
+                                strict=True):
+            errors[name].append(row_rel_err(logits, exact))
     quantiles = torch.tensor([0.5, 0.9, 0.99, 1.0], dtype=torch.float64)
-    q_ours, q_floor = ours.quantile(quantiles), floor.quantile(quantiles)
-    print("\nprefill logits, per-position relative max error vs transformers float32 "
-          f"({len(ours)} positions), p50/p90/p99/max: ours "
-          f"{' '.join(f'{x:.2e}' for x in q_ours)}, transformers bf16 "
-          f"{' '.join(f'{x:.2e}' for x in q_floor)}")
-    # bf16 itself moves these logits by ~1% per position and by several percent where it
-    # flips an MoE routing choice; transformers' own bf16 run is that floor.  Ours must
-    # follow the same distribution: p50/p90 within 1.25x, p99 within 1.5x, max within 2x.
-    assert (q_ours <= torch.tensor([1.25, 1.25, 1.5, 2.0], dtype=torch.float64) * q_floor).all()
+    q = {name: torch.cat(errs).quantile(quantiles) for name, errs in errors.items()}
+    print(f"\nprefill logits, per-position relative max error vs transformers float32 "
+          f"({sum(map(len, prompts))} positions), p50/p90/p99/max:")
+    for name, values in q.items():
+        print(f"  {name:24s}" + " ".join(f"{x:.2e}" for x in values))
+    # bf16 moves these logits by ~1% per position and by several percent where it flips
+    # an MoE routing choice.  transformers' own two bf16 paths bracket that floor (H200:
+    # p99 1.6e-2 with sdpa, 5.0e-2 with eager); ours must stay within 1.25x of the worse
+    # of them at every quantile.  A wrong mask or scale moves p50 by orders of magnitude.
+    floor = torch.maximum(q["transformers bf16 sdpa"], q["transformers bf16 eager"])
+    assert (q["ours"] <= 1.25 * floor).all()
     outs = llm.generate(prompts, max_new_tokens=NEW, ignore_eos=True)
     forced = teacher_forced_agreement(hf32, prompts, outs)
-    floor = teacher_forced_agreement(hf32, prompts, hf_generate(hf, prompts))
+    hf_forced = teacher_forced_agreement(hf32, prompts, hf_generate(hf, prompts))
     print(f"random model, fixed-prefix greedy agreement with transformers float32: ours "
-          f"{forced:.1%}, transformers bf16 {floor:.1%}")
+          f"{forced:.1%}, transformers bf16 {hf_forced:.1%}")
     assert forced >= 0.95
 
 
