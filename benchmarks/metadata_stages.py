@@ -1,13 +1,13 @@
 """Where the host metadata time goes (Q3 follow-up): stage by stage, on the CPU.
 
-Times each stage of ``write_step`` for the 256-decode case (contexts 1k..128k)
-separately, and next to it a *proposal* (not library code): a decode-only
-chunked build that gathers each request's last-chunk pages straight from the
-caller's block table with one flat ``np.take`` (no [M, c / block] local table,
-one gather of the pages actually read instead of two).  The proposal
-is checked to produce the same arrays as the library before it is timed.  For
-the global layers the proposal is one boolean-mask gather over the table (rows
-come out in row-major order, which is the kv_indices order).
+Times, for the 256-decode case (contexts 1k..128k), each stage of an eager
+step's host build: ``write_step`` as the backends call it (which takes the
+fast paths ``write_decode_chunked`` for chunked layers and
+``write_whole_requests`` for global ones), the general ``write_host`` path
+those fast paths replace, the checks and splits around them, and the two
+numpy primitives the general path is made of: the flat page index and the
+gather of the page ids through it.  Every path is first checked to fill the same arrays
+as the general one, so a faster row is never a wrong one.
 """
 
 from __future__ import annotations
@@ -20,44 +20,31 @@ from benchmarks import workloads as wl
 from benchmarks.common import base_parser, cpu_time_us, format_table, write_json
 from benchmarks.library import limits_for, specs
 
-
-def decode_chunked_flat(seq_lens, block_table, chunk: int, block: int, out: dict) -> int:
-    """Proposal: paged-KV arrays of a decode-only step's chunked layers (one slot/request)."""
-    s = seq_lens.astype(np.int64)
-    n, width = s.shape[0], block_table.shape[1]
-    start = (s - 1) // chunk * chunk
-    keys = s - start
-    pages = (keys + block - 1) // block
-    indptr = out["paged_kv_indptr"]
-    indptr[0] = 0
-    np.cumsum(pages, out=indptr[1:n + 1])
-    total = int(indptr[n])
-    out["paged_kv_last_page_len"][:n] = keys - (pages - 1) * block
-    base = np.arange(n, dtype=np.int64) * width + start // block - indptr[:n]
-    flat = np.repeat(base, pages) + np.arange(total)
-    np.take(block_table.reshape(-1), flat, out=out["paged_kv_indices"][:total])
-    return total
+FIELDS = ("paged_kv_indptr", "paged_kv_last_page_len", "paged_kv_indices")
 
 
-def global_masked(seq_lens, block_table, block: int, out: dict) -> int:
-    """Proposal: paged-KV indices of whole requests as one boolean-mask gather (row-major)."""
-    s = seq_lens.astype(np.int64)
-    n = s.shape[0]
-    pages = (s + block - 1) // block
-    indptr = out["paged_kv_indptr"]
-    indptr[0] = 0
-    np.cumsum(pages, out=indptr[1:n + 1])
-    total = int(indptr[n])
-    out["paged_kv_last_page_len"][:n] = s - (pages - 1) * block
-    keep = np.arange(block_table.shape[1])[None, :] < pages[:, None]
-    out["paged_kv_indices"][:total] = block_table[keep]
-    return total
+def snapshot(step) -> dict:
+    """The filled arrays of a HostStep, copied (the next write reuses the mirrors)."""
+    return {f: getattr(step, f).numpy().copy() for f in FIELDS}
+
+
+def check_same(name: str, got: dict, want: dict) -> None:
+    for field in FIELDS:
+        if not np.array_equal(got[field], want[field]):
+            raise AssertionError(f"{name}: {field} differs from the general path")
+
+
+def flat_page_index(kv_lens, first_page, rows, width: int, block: int) -> np.ndarray:
+    """Flat positions in the block table of every page the slots read (row-major)."""
+    pages = (kv_lens.astype(np.int64) + block - 1) // block
+    starts = np.cumsum(pages) - pages
+    return np.repeat(rows * width + first_page - starts, pages) + np.arange(int(pages.sum()))
 
 
 def main(argv=None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
-    from chunklocal import metadata as md
+    from chunklocal.graph_layout import graph_slots
     from chunklocal.metadata import MetadataBuffers, step_capacity, write_step
     from chunklocal.virtual_batches import make_virtual_batches, validate_batch
 
@@ -65,86 +52,69 @@ def main(argv=None) -> int:
              else wl.decode_ragged_contexts(256))
     repeats = args.repeats or (5 if args.smoke else 200)
     qsl, seq, table = batch.query_start_loc, batch.seq_lens, batch.block_table
-    query_lens = np.diff(qsl)
+    query_lens, width = np.diff(qsl), table.shape[1]
     limits = limits_for(batch, wl.BLOCK)
     chunked_spec, global_spec = specs(wl.CHUNK, wl.BLOCK)
     cbuf = MetadataBuffers(step_capacity(chunked_spec, limits, chunked=True), wl.BLOCK)
     gbuf = MetadataBuffers(step_capacity(global_spec, limits, chunked=False), wl.BLOCK)
-    vb = make_virtual_batches(qsl, seq, table, wl.CHUNK, wl.BLOCK)
-    graph_slots = getattr(md, "graph_slots", None)  # the pure-decode path's slot layout
     rows = np.arange(batch.num_reqs)
+    no_offset = np.zeros(batch.num_reqs, np.int64)
+    slots = graph_slots(seq.astype(np.int64), 1, wl.CHUNK, wl.BLOCK, False)
 
-    # The proposal must equal the library before its time means anything.
-    ref = write_step(cbuf, qsl, seq, table, query_lens, wl.CHUNK)
-    mine = {k: np.zeros_like(v.numpy()) for k, v in cbuf.host[0].items()}
-    total = decode_chunked_flat(seq, table, wl.CHUNK, wl.BLOCK, mine)
-    n = vb.num_batches
-    assert total == ref.num_pages
-    assert np.array_equal(mine["paged_kv_indices"][:total], ref.paged_kv_indices.numpy())
-    assert np.array_equal(mine["paged_kv_indptr"][:n + 1], ref.paged_kv_indptr.numpy())
-    assert np.array_equal(mine["paged_kv_last_page_len"][:n],
-                          ref.paged_kv_last_page_len.numpy())
+    def chunked_general():
+        return cbuf.write_host(query_lens, *slots, table)
 
-    gref = write_step(gbuf, qsl, seq, table, query_lens, None)
-    gmine = {k: np.zeros_like(v.numpy()) for k, v in gbuf.host[0].items()}
-    gtotal = global_masked(seq, table, wl.BLOCK, gmine)
-    assert gtotal == gref.num_pages
-    assert np.array_equal(gmine["paged_kv_indices"][:gtotal], gref.paged_kv_indices.numpy())
-    assert np.array_equal(gmine["paged_kv_indptr"][:batch.num_reqs + 1],
-                          gref.paged_kv_indptr.numpy())
+    def global_general():
+        return gbuf.write_host(query_lens, seq, no_offset, rows, table)
 
-    # The flat page index a host build gathers through, and the gather itself: the
-    # part of write_host that grows with the pages read.
-    def flat_index(kv, first, slot_rows):
-        pages = (kv.astype(np.int64) + wl.BLOCK - 1) // wl.BLOCK
-        starts = np.cumsum(pages) - pages
-        base = (slot_rows * table.shape[1] + first - starts).astype(np.int32)
-        flat = np.repeat(base, pages)
-        flat += np.arange(int(pages.sum()), dtype=np.int32)
-        return flat
+    paths = {
+        "chunked": (chunked_general, {
+            "write_step": lambda: write_step(cbuf, qsl, seq, table, query_lens, wl.CHUNK),
+            "write_decode_chunked": lambda: cbuf.write_decode_chunked(seq, table, wl.CHUNK)}),
+        "global": (global_general, {
+            "write_step": lambda: write_step(gbuf, qsl, seq, table, query_lens, None),
+            "write_whole_requests": lambda: gbuf.write_whole_requests(query_lens, seq, table)}),
+    }
+    pages = {}
+    for kind, (general, fast) in paths.items():
+        want = snapshot(general())
+        pages[kind] = want["paged_kv_indices"].size
+        for name, fn in fast.items():
+            check_same(f"{kind} {name}", snapshot(fn()), want)
 
-    stages = [("chunked", "write_step (total)",
-               lambda: write_step(cbuf, qsl, seq, table, query_lens, wl.CHUNK))]
-    if graph_slots is not None:
-        kv, first, slot_rows = graph_slots(seq.astype(np.int64), 1, wl.CHUNK, wl.BLOCK, False)
-        flat_c = flat_index(kv, first, slot_rows)
-        out_c = np.empty(flat_c.size, np.int32)
-        stages += [
-            ("chunked", "  graph_slots (one slot per decode)",
-             lambda: graph_slots(seq.astype(np.int64), 1, wl.CHUNK, wl.BLOCK, False)),
-            ("chunked", "  MetadataBuffers.write_host (request's own table)",
-             lambda: cbuf.write_host(query_lens, kv, first, slot_rows, table)),
-            ("chunked", f"    flat page index (np.repeat + arange, {flat_c.size} pages)",
-             lambda: flat_index(kv, first, slot_rows)),
-            ("chunked", f"    np.take of {flat_c.size} page ids",
-             lambda: np.take(table.reshape(-1), flat_c, out=out_c)),
-        ]
-    flat_g = flat_index(seq.astype(np.int64), np.zeros(batch.num_reqs, np.int64), rows)
-    out_g = np.empty(flat_g.size, np.int32)
-    stages += [
+    flat_c = flat_page_index(*slots, width, wl.BLOCK)
+    flat_g = flat_page_index(seq, no_offset, rows, width, wl.BLOCK)
+    out_c, out_g = np.empty(flat_c.size, np.int32), np.empty(flat_g.size, np.int32)
+    stages = [
+        ("chunked", "write_step (total; takes write_decode_chunked)",
+         paths["chunked"][1]["write_step"]),
+        ("chunked", "  write_decode_chunked", paths["chunked"][1]["write_decode_chunked"]),
+        ("chunked", "  general path: graph_slots + write_host", lambda: (
+            graph_slots(seq.astype(np.int64), 1, wl.CHUNK, wl.BLOCK, False),
+            chunked_general())),
+        ("chunked", f"  primitive: flat page index ({flat_c.size} pages)",
+         lambda: flat_page_index(*slots, width, wl.BLOCK)),
+        ("chunked", f"  primitive: np.take of {flat_c.size} page ids",
+         lambda: np.take(table.reshape(-1), flat_c, out=out_c)),
         ("chunked", "make_virtual_batches (prefill / mixed steps only)",
          lambda: make_virtual_batches(qsl, seq, table, wl.CHUNK, wl.BLOCK)),
-        ("chunked", "validate_batch", lambda: validate_batch(qsl, seq, table, wl.BLOCK)),
-        ("chunked", "proposal: decode_chunked_flat",
-         lambda: decode_chunked_flat(seq, table, wl.CHUNK, wl.BLOCK, mine)),
-        ("global", "write_step (total)",
-         lambda: write_step(gbuf, qsl, seq, table, query_lens, None)),
-        ("global", "  MetadataBuffers.write_host",
-         lambda: gbuf.write_host(query_lens, seq, np.zeros(batch.num_reqs, np.int64), rows,
-                                 table)),
-        ("global", f"    flat page index (np.repeat + arange, {flat_g.size} pages)",
-         lambda: flat_index(seq.astype(np.int64), np.zeros(batch.num_reqs, np.int64), rows)),
-        ("global", f"    np.take of {flat_g.size} page ids",
+        ("chunked", "validate_batch (in FlashInferBackend.build)",
+         lambda: validate_batch(qsl, seq, table, wl.BLOCK)),
+        ("global", "write_step (total; takes write_whole_requests)",
+         paths["global"][1]["write_step"]),
+        ("global", "  write_whole_requests", paths["global"][1]["write_whole_requests"]),
+        ("global", "  general path: write_host", global_general),
+        ("global", f"  primitive: flat page index ({flat_g.size} pages)",
+         lambda: flat_page_index(seq, no_offset, rows, width, wl.BLOCK)),
+        ("global", f"  primitive: np.take of {flat_g.size} page ids",
          lambda: np.take(table.reshape(-1), flat_g, out=out_g)),
-        ("global", "proposal: global_masked",
-         lambda: global_masked(seq, table, wl.BLOCK, gmine)),
     ]
     out = []
     for kind, stage, fn in stages:
         t = cpu_time_us(fn, repeats, warmup=3)
         out.append({"layers": kind, "stage": stage, "median_us": t["median"],
                     "p10_us": t["p10"], "p90_us": t["p90"]})
-    print(f"{batch.name}: {vb.num_batches} virtual batches, {ref.num_pages} chunked pages, "
+    print(f"{batch.name}: {pages['chunked']} chunked pages, {pages['global']} global pages, "
           f"block table {table.shape}")
     print(format_table(out))
     name = "metadata_stages_smoke" if args.smoke else "metadata_stages"
