@@ -172,3 +172,73 @@ def test_plan_merged_group_keeps_whole_sequence_pages():
     rows = {r.buffer: r for r in sizing.buffer_rows(256, 8192, 131072, 8192, 16)}
     assert rows["paged_kv_indices (merged)"].ours == 256 * 131072 // 16
     assert rows["paged_kv_indices"].ours < rows["paged_kv_indices (merged)"].ours
+
+
+@pytest.fixture
+def no_demo_work(monkeypatch):
+    """`chunklocal demo` must reject bad arguments before any stage runs."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a demo stage ran despite bad arguments")
+
+    for name in ("main", "reporter_scenario", "run_attention_demo"):
+        monkeypatch.setattr(demo, name, must_not_run)
+
+
+@pytest.mark.parametrize("option", ["--new-tokens", "--prompt-len", "--num-q-heads",
+                                    "--num-kv-heads", "--head-dim"])
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_demo_rejects_non_positive_ints_before_work(no_demo_work, capsys, option, value):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", option, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: must be a positive integer, got" in err and value in err
+
+
+def test_demo_rejects_heads_not_a_multiple_before_work(no_demo_work, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--num-q-heads", "3", "--num-kv-heads", "2"])
+    assert exc.value.code == 2
+    assert "argument --num-q-heads: 3 is not a multiple of --num-kv-heads 2" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make", ["missing", "file", "empty_dir"])
+def test_demo_rejects_a_bad_model_dir_before_work(no_demo_work, capsys, tmp_path, make):
+    path = tmp_path / "model"
+    if make == "file":
+        path.write_text("not a checkpoint")
+    elif make == "empty_dir":
+        path.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--model", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --model:" in err and str(path) in err and "config.json" in err
+
+
+def test_demo_rejects_a_bad_device_before_work(no_demo_work, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--device", "gpu"])
+    assert exc.value.code == 2
+    assert "argument --device: must be cpu or cuda" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["demo", "--device", "cuda"])
+        assert exc.value.code == 2
+        assert "argument --device: 'cuda' but CUDA is not available" in capsys.readouterr().err
+
+
+def test_demo_passes_valid_arguments_through(monkeypatch, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    seen = {}
+    monkeypatch.setattr(demo, "main", lambda args: seen.update(vars(args)) or 0)
+    argv = ["demo", "--model", str(tmp_path), "--prompt-len", "100", "--new-tokens", "2",
+            "--num-q-heads", "8", "--num-kv-heads", "2", "--head-dim", "16", "--seed", "-1"]
+    assert cli.main(argv) == 0
+    assert (seen["model"], seen["prompt_len"], seen["new_tokens"], seen["num_q_heads"],
+            seen["num_kv_heads"], seen["head_dim"], seen["seed"], seen["device"]) == \
+        (str(tmp_path), 100, 2, 8, 2, 16, -1, "cpu")
+    assert cli.main(["demo"]) == 0
+    assert (seen["model"], seen["prompt_len"], seen["new_tokens"], seen["device"]) == \
+        (None, 36000, 32, "cpu")

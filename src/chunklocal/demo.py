@@ -17,6 +17,7 @@ import argparse
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -152,20 +153,56 @@ def print_sizing(config: dict | None = None) -> dict:
     return result
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for counts and sizes: rejected before any work."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """argparse ``type=`` for --device: a torch device of type cpu or cuda, kept as typed."""
+    try:
+        kind = torch.device(text).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda (e.g. cuda:0), got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random data seed (default 0)")
-    parser.add_argument("--num-q-heads", type=int, default=4, help="default 4 (GQA group 4)")
-    parser.add_argument("--num-kv-heads", type=int, default=1, help="default 1")
-    parser.add_argument("--head-dim", type=int, default=64, help="default 64")
+    parser.add_argument("--num-q-heads", type=positive_int, default=4,
+                        help="default 4 (GQA group 4)")
+    parser.add_argument("--num-kv-heads", type=positive_int, default=1, help="default 1")
+    parser.add_argument("--head-dim", type=positive_int, default=64, help="default 64")
     parser.add_argument("--model", default=None, metavar="DIR",
                         help="serve this Llama-4 checkpoint instead of a random tiny one")
-    parser.add_argument("--device", default="cpu", help="cpu (torch reference) or cuda "
-                        "(FlashInfer, bf16)")
-    parser.add_argument("--prompt-len", type=int, default=36000, help="default 36000")
-    parser.add_argument("--new-tokens", type=int, default=32, help="default 32")
+    parser.add_argument("--device", type=device_name, default="cpu",
+                        help="cpu (torch reference) or cuda (FlashInfer, bf16)")
+    parser.add_argument("--prompt-len", type=positive_int, default=36000, help="default 36000")
+    parser.add_argument("--new-tokens", type=positive_int, default=32, help="default 32")
     parser.add_argument("--check-transformers", action="store_true", default=None,
                         help="compare logits with transformers (default: only for the "
                         "random model)")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """What one option's type cannot check; called by the CLI before :func:`main`."""
+    if args.num_q_heads % args.num_kv_heads:
+        parser.error(f"argument --num-q-heads: {args.num_q_heads} is not a multiple of "
+                     f"--num-kv-heads {args.num_kv_heads}")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        what = "is not a directory" if not Path(args.model).is_dir() else "has no config.json"
+        parser.error(f"argument --model: {args.model!r} {what} (want a Llama-4 checkpoint "
+                     "directory with config.json)")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {args.device!r} but CUDA is not available")
 
 
 def main(args) -> int:
