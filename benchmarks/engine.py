@@ -65,6 +65,7 @@ def without_chunking(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     config = json.loads((src / "config.json").read_text())
     config["attention_chunk_size"] = None
+    config.pop("layer_types", None)  # re-derived without a chunk: every layer full attention
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     link = dst / "model.safetensors"
     if not link.exists():
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
     try:
         chunked_dir, global_dir = workdir / "chunked", workdir / "global"
         start = time.perf_counter()
-        write_random_checkpoint(chunked_dir, shape, max_len, device)
+        # run_engine rounds max_model_len up to whole blocks of 16; positions must cover it
+        write_random_checkpoint(chunked_dir, shape, -(-max_len // 16) * 16, device)
         without_chunking(chunked_dir, global_dir)
         print(f"random checkpoint written in {time.perf_counter() - start:.1f} s", flush=True)
         for config in args.configs:

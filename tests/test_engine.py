@@ -191,8 +191,83 @@ def test_pool_too_small_for_one_request(ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match="cannot hold one request"):
         chunklocal.LLM(path, max_model_len=256, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="max_model_len 100000 exceeds the config's "
+                                         "max_position_embeddings 1024"):
+        chunklocal.LLM(path, max_model_len=100_000)
+
+
+def test_default_kv_budget_too_small_for_one_request(tmp_path):
+    write_tiny_llama4(tmp_path, max_position_embeddings=100_000_000)
     with pytest.raises(ValueError, match="max_model_len 100000000 needs .* GiB of KV cache"):
-        chunklocal.LLM(path, max_model_len=100_000_000)
+        chunklocal.LLM(tmp_path)
+
+
+@pytest.mark.parametrize("overrides", [dict(hidden_act="gelu"),
+                                       dict(layer_types=["full_attention"] * 4)],
+                         ids=["gelu", "rope-layers-global"])
+def test_config_fields_the_model_follows(tmp_path, overrides):
+    """hidden_act and layer_types change the model: both must match transformers."""
+    hf = write_tiny_llama4(tmp_path, seed=2, **overrides)
+    prompt = prompts_of([100], seed=4)[0]
+    llm = chunklocal.LLM(tmp_path, max_model_len=256, max_num_batched_tokens=48)
+    assert rel_err(llm.prompt_logits([prompt])[0], hf_logits(hf, prompt)) < 1e-4
+    assert llm.generate([prompt], max_new_tokens=12) == [hf_greedy(hf, prompt, 12)]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_act", "swishy", "unsupported hidden_act 'swishy'"),
+    ("layer_types", ["chunked_attention", "sliding_attention", "chunked_attention",
+                     "full_attention"], "layer 1: unsupported layer type 'sliding_attention'"),
+    ("layer_types", ["full_attention"] * 3, "invalid config.json:(?s:.*)layer_types"),
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+     "unsupported rope_type 'dynamic'"),
+])
+def test_unsupported_config_rejected_before_loading(ckpt, tmp_path, monkeypatch, field, value,
+                                                     message):
+    """A config the model would not reproduce is an error, not different logits."""
+    import json
+    import shutil
+
+    shutil.copytree(ckpt[0], tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from chunklocal.engine import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "load_llama4", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match=message):
+        chunklocal.LLM(tmp_path, max_model_len=128)
+
+
+@pytest.mark.parametrize("dtype, expected", [("bfloat16", torch.bfloat16), ("auto", None),
+                                             (torch.float16, torch.float16)])
+def test_dtype_names(ckpt, dtype, expected):
+    llm = chunklocal.LLM(ckpt[0], max_model_len=64, dtype=dtype)
+    assert next(llm.model.parameters()).dtype == (expected or torch.float32)
+
+
+@pytest.mark.parametrize("model, kwargs, message", [
+    ("ckpt", dict(dtype="int8"), "dtype must be None, 'auto', .* got 'int8'"),
+    ("ckpt", dict(dtype=torch.int8), "dtype must be None, 'auto', .* got torch.int8"),
+    ("missing", {}, "model must be a checkpoint directory with config.json"),
+])
+def test_bad_model_or_dtype_rejected_before_loading(ckpt, tmp_path, monkeypatch, model, kwargs,
+                                                     message):
+    from chunklocal.engine import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "load_llama4", lambda *a, **k: pytest.fail("loaded"))
+    path = ckpt[0] if model == "ckpt" else tmp_path / "meta-llama/Llama-4-Scout-17B-16E"
+    with pytest.raises(ValueError, match=message):
+        chunklocal.LLM(path, max_model_len=64, **kwargs)
+
+
+def test_prompt_logits_of_a_prompt_filling_max_model_len(ckpt):
+    path, hf = ckpt
+    prompt = prompts_of([96], seed=5)[0]
+    llm = chunklocal.LLM(path, max_model_len=96, max_num_batched_tokens=40)
+    assert rel_err(llm.prompt_logits([prompt])[0], hf_logits(hf, prompt)) < 1e-4
+    with pytest.raises(ValueError, match="prompt 0: 96 tokens . max_new_tokens 1 exceed"):
+        llm.generate([prompt], max_new_tokens=1)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -201,6 +276,7 @@ def test_pool_too_small_for_one_request(ckpt):
     ([3, 512, 4], "prompt 1: token id 512 at index 1 is outside the vocabulary"),
     ([3, -1], "prompt 1: token id -1 at index 1"),
     ([1.5, 2.0], "prompt 1: expected a flat list of int token ids"),
+    ([1, [2, 3]], "prompt 1: expected a flat list of int token ids"),
 ])
 def test_bad_prompt_rejected_before_any_work(ckpt, bad, message):
     path, hf = ckpt
@@ -263,6 +339,16 @@ def test_string_prompts_use_the_checkpoint_tokenizer(tmp_path):
     want = [" ".join(f"w{t}" for t in hf_greedy(hf, [int(w[1:]) for w in text.split()], 6))
             for text in texts]
     assert got == want
+
+
+def test_string_prompt_without_a_tokenizer(ckpt):
+    path, hf = ckpt
+    llm = chunklocal.LLM(path, max_model_len=64)
+    with pytest.raises(ValueError, match="prompt 0 is a string: .* has no tokenizer"):
+        llm.generate(["hello world"], max_new_tokens=2)
+    assert not llm.scheduler.has_work()
+    good = prompts_of([9], seed=8)
+    assert llm.generate(good, max_new_tokens=4) == [hf_greedy(hf, good[0], 4)]
 
 
 def test_eos_stops_a_request_like_transformers(ckpt):

@@ -21,6 +21,7 @@ from chunklocal.engine.sequence import SamplingParams, Sequence
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 from chunklocal.models.llama4 import CHUNKED, GLOBAL, load_llama4, load_text_config
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _CPU_KV_BYTES = 2 << 30  # default KV budget on the CPU when num_kv_blocks is None
 
 
@@ -47,6 +48,23 @@ class GenerateStats:
                 f"{self.draft_tokens}, peak KV blocks {self.peak_blocks}")
 
 
+_DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def _torch_dtype(dtype):
+    """None / "auto" (the default rule), a torch float dtype, or one of its names."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, str) and dtype in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES.values():
+        return dtype
+    raise ValueError(f"dtype must be None, 'auto', torch.float32/bfloat16/float16 or one of "
+                     f"{sorted(_DTYPE_NAMES)}, got {dtype!r}")
+
+
 class LLM:
     """Serve a Llama-4 checkpoint directory (``config.json`` + ``*.safetensors``).
 
@@ -69,10 +87,17 @@ class LLM:
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0):
         self.model_dir = Path(model)
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"model must be a checkpoint directory with config.json and "
+                             f"*.safetensors; {str(model)!r} has no config.json")
+        dtype = _torch_dtype(dtype)
         config = load_text_config(self.model_dir)
         self.config = config
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
+        elif as_int(max_model_len, "max_model_len") > config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the config's "
+                             f"max_position_embeddings {config.max_position_embeddings}")
         # Exact integers only: 2.5 requests per step is a mistake, not 2.
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -208,27 +233,48 @@ class LLM:
     # -- requests -----------------------------------------------------------------------------
     @property
     def tokenizer(self):
+        """The checkpoint directory's tokenizer (transformers' AutoTokenizer)."""
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
+            if not any((self.model_dir / name).is_file() for name in _TOKENIZER_FILES):
+                raise ValueError(f"{self.model_dir} has no tokenizer (none of "
+                                 f"{', '.join(_TOKENIZER_FILES)}); pass token ids")
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         return self._tokenizer
 
-    def _check_prompts(self, prompts, max_new_tokens):
+    def _check_prompts(self, prompts, max_new_tokens, room_for_new_tokens=True):
+        """Token lists of valid prompts, or ValueError naming the first bad one.
+
+        ``room_for_new_tokens``: the prompt plus ``max_new_tokens`` must fit in
+        max_model_len (generate); otherwise only the prompt must (prompt_logits).
+        """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of token-id lists or of strings")
         if as_int(max_new_tokens, "max_new_tokens") <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         max_new_tokens = int(max_new_tokens)
         as_text = bool(prompts) and all(isinstance(p, str) for p in prompts)
-        ids = [self.tokenizer(p)["input_ids"] for p in prompts] if as_text else prompts
+        if as_text:
+            try:
+                tokenizer = self.tokenizer
+            except ValueError as err:
+                raise ValueError(f"prompt 0 is a string: {err}") from err
+            ids = [tokenizer(p)["input_ids"] for p in prompts]
+        else:
+            ids = prompts
+        reserved = max_new_tokens if room_for_new_tokens else 0
         vocab = self.config.vocab_size
         checked = []
         for i, prompt in enumerate(ids):
             if isinstance(prompt, (str, bytes)):
                 raise ValueError(f"prompt {i}: mixes strings and token-id lists")
-            arr = np.asarray(prompt)
-            if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            try:
+                arr = np.asarray(prompt)
+            except ValueError:  # ragged nesting
+                arr = None
+            if (arr is None or arr.ndim != 1
+                    or (arr.size and not np.issubdtype(arr.dtype, np.integer))):
                 raise ValueError(f"prompt {i}: expected a flat list of int token ids")
             if arr.size == 0:
                 raise ValueError(f"prompt {i} is empty")
@@ -236,9 +282,9 @@ class LLM:
             if bad.size:
                 raise ValueError(f"prompt {i}: token id {int(arr[bad[0]])} at index "
                                  f"{int(bad[0])} is outside the vocabulary [0, {vocab})")
-            if arr.size + max_new_tokens > self.max_model_len:
-                raise ValueError(f"prompt {i}: {arr.size} tokens + max_new_tokens "
-                                 f"{max_new_tokens} exceed max_model_len {self.max_model_len}")
+            if arr.size + reserved > self.max_model_len:
+                raise ValueError(f"prompt {i}: {arr.size} tokens + max_new_tokens {reserved} "
+                                 f"exceed max_model_len {self.max_model_len}")
             checked.append(arr.tolist())
         return checked, as_text
 
@@ -266,7 +312,9 @@ class LLM:
     def prompt_logits(self, prompts, last_only: bool = False) -> list[torch.Tensor]:
         """float32 logits [prompt_len, vocab] (or [1, vocab]) per prompt, from a normal
         engine run (same batching, chunked prefill and KV paging as generate())."""
-        token_lists, _ = self._check_prompts(prompts, 1)
+        # The one token sampled after the prompt is never computed: a prompt may fill
+        # max_model_len exactly.
+        token_lists, _ = self._check_prompts(prompts, 1, room_for_new_tokens=False)
         self.runner.capture, self.runner.capture_last_only = {}, last_only
         try:
             seqs = self._run(token_lists, SamplingParams(1, 0.0, True), use_tqdm=False)

@@ -22,7 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CHUNKED, GLOBAL = "chunked", "global"
+from chunklocal.models.llama4_config import (  # noqa: F401  (re-exported)
+    CHUNKED,
+    GLOBAL,
+    activation,
+    layer_kind,
+    load_text_config,
+    require_hf,
+    supported_rope_type,
+)
 
 
 @dataclass
@@ -33,30 +41,6 @@ class AttentionStep:
     metadata: Any           # built once per step and KV group by backend.build()
     slot_mapping: torch.Tensor  # [tokens] int64: flat cache row of each token's K/V
     chunked: bool           # which layer kind of the group's metadata to use
-
-
-def require_hf() -> None:
-    """Checkpoints are read with transformers and safetensors (the ``hf`` extra)."""
-    try:
-        import safetensors  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as err:
-        raise ImportError(f"serving a checkpoint needs transformers and safetensors ({err}); "
-                          'install them with: pip install "chunklocal[hf]"') from err
-
-
-def load_text_config(model_dir):
-    """The Llama-4 text config of a checkpoint directory (text-only or multimodal)."""
-    require_hf()
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(model_dir))
-    text = getattr(config, "text_config", None)
-    config = text if text is not None else config
-    if getattr(config, "model_type", None) != "llama4_text":
-        raise ValueError(f"{model_dir}: expected a Llama-4 config, got model_type "
-                         f"{getattr(config, 'model_type', None)!r}")
-    return config
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,30 +59,32 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, inner: int):
+    def __init__(self, hidden: int, inner: int, act: nn.Module):
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inner: int):
+    def __init__(self, num_experts: int, hidden: int, inner: int, act: nn.Module):
         super().__init__()
+        self.act = act
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inner))
         self.down_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
 
     def run(self, expert, x):
         gate, up = (x @ self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down_proj[expert]
+        return (self.act(gate) * up) @ self.down_proj[expert]
 
     def run_all(self, x_per_expert):
         """x_per_expert [E, T, H] -> [E, T, H]; shape-static (CUDA-graph safe)."""
         gate, up = torch.bmm(x_per_expert, self.gate_up_proj).chunk(2, dim=-1)
-        return torch.bmm(F.silu(gate) * up, self.down_proj)
+        return torch.bmm(self.act(gate) * up, self.down_proj)
 
 
 class Router(nn.Module):
@@ -117,9 +103,10 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.num_local_experts
-        self.experts = Experts(self.num_experts, config.hidden_size, config.intermediate_size)
+        act = activation(config)
+        self.experts = Experts(self.num_experts, config.hidden_size, config.intermediate_size, act)
         self.router = Router(config.hidden_size, self.num_experts)
-        self.shared_expert = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.shared_expert = GatedMLP(config.hidden_size, config.intermediate_size, act)
 
     def forward(self, x):
         logits = F.linear(x, self.router.weight)
@@ -154,7 +141,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         self.use_rope = bool(config.no_rope_layers[layer_idx])
-        self.kind = CHUNKED if (self.use_rope and config.attention_chunk_size) else GLOBAL
+        self.kind = layer_kind(config, layer_idx)
         self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
         self.temperature = None
         if config.attn_temperature_tuning and not self.use_rope:
@@ -204,7 +191,8 @@ class DecoderLayer(nn.Module):
         if layer_idx in config.moe_layers:
             self.feed_forward = MoE(config)
         else:
-            self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size_mlp)
+            self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size_mlp,
+                                         activation(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -241,7 +229,7 @@ class Llama4ForCausalLM(nn.Module):
     def init_rope(self, device):
         """float32 inverse frequencies on ``device`` (transformers' formulas per rope type)."""
         params = getattr(self.config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
+        rope_type = supported_rope_type(self.config)
         if rope_type == "default":
             dim = self.config.head_dim
             exponents = torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim
