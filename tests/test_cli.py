@@ -242,3 +242,22 @@ def test_demo_passes_valid_arguments_through(monkeypatch, tmp_path):
     assert cli.main(["demo"]) == 0
     assert (seen["model"], seen["prompt_len"], seen["new_tokens"], seen["device"]) == \
         (None, 36000, 32, "cpu")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-n", "0"], "argument --max-n: must be a positive integer, got 0"),
+    (["--max-t", "-1"], "argument --max-t: must be a positive integer, got -1"),
+    (["--workers", "two"], "argument --workers: must be a positive integer, got 'two'"),
+    (["--chunks", "4-2"], "argument --chunks: bad range '4-2'"),
+    (["--lens", "x"], "argument --lens: cannot read 'x'"),
+    (["--plot", "/nonexistent-dir/bounds.png"], "argument --plot: folder of"),
+])
+def test_verify_bounds_rejects_bad_arguments_before_the_sweep(monkeypatch, capsys, args,
+                                                              message):
+    from chunklocal import verify_bounds
+
+    monkeypatch.setattr(verify_bounds, "sweep", lambda *a, **k: pytest.fail("sweep ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["verify-bounds", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

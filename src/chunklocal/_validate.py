@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import operator
 
 import numpy as np
@@ -69,3 +70,14 @@ def raise_first(bad, message) -> None:
     index = np.flatnonzero(bad)
     if index.size:
         raise ValueError(message(int(index[0])))
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for counts and sizes: a bad value stops the command before work."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from chunklocal import sizing
-from chunklocal._validate import cdiv
+from chunklocal._validate import cdiv, positive_int
 from chunklocal.reference import reference_attention
 from chunklocal.virtual_batches import VirtualBatches, make_virtual_batches
 
@@ -151,17 +151,6 @@ def print_sizing(config: dict | None = None) -> dict:
     result = sizing.plan(**(config or sizing.REPORTER_CONFIG))
     print(sizing.format_plan(result))
     return result
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=`` for counts and sizes: rejected before any work."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def device_name(text: str) -> str:

@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from chunklocal import bounds
-from chunklocal._validate import as_int, cdiv, check_chunk_geometry
+from chunklocal._validate import as_int, cdiv, check_chunk_geometry, positive_int
 
 # The reporter's configuration in vLLM issue 49980.
 REPORTER_CONFIG = dict(max_num_seqs=1, max_num_batched_tokens=36000, max_model_len=36000,
@@ -116,13 +116,6 @@ def format_plan(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg = REPORTER_CONFIG
     for flag, key, help_text in (
@@ -132,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--chunk-size", "chunk_size", "attention_chunk_size (c)"),
         ("--block-size", "block_size", "tokens per KV page (bs)"),
     ):
-        parser.add_argument(flag, type=_positive_int, default=cfg[key],
+        parser.add_argument(flag, type=positive_int, default=cfg[key],
                             help=f"{help_text}; default {cfg[key]} (the reporter's config)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

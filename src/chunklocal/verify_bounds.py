@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from pathlib import Path
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from chunklocal._validate import positive_int
 from chunklocal.bounds import (
     _global_pages_formula,
     _local_pages_formula,
@@ -261,27 +263,34 @@ def plot(path: str, chunk: int = 8, model_len: int = 40, block_size: int = 2,
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--max-n", type=int, default=32, help="N = 1..MAX_N (default 32)")
-    parser.add_argument("--max-t", type=int, default=256, help="T = 1..MAX_T (default 256)")
+    parser.add_argument("--max-n", type=positive_int, default=32, help="N = 1..MAX_N (default 32)")
+    parser.add_argument("--max-t", type=positive_int, default=256,
+                        help="T = 1..MAX_T (default 256)")
     parser.add_argument("--chunks", default="1-16",
                         help="chunk sizes, e.g. '1-16' or '2,4,8' (default 1-16); every block "
                              "size dividing c and ~20 model lengths around multiples of c")
     parser.add_argument("--lens", default="",
                         help="extra max_model_len values added to the default set, e.g. '7,500'")
-    parser.add_argument("--workers", type=int, default=2, help="processes (default 2)")
+    parser.add_argument("--workers", type=positive_int, default=2, help="processes (default 2)")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of true max/ours/published")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def check_arguments(parser, args) -> None:
+    """Bad lists and an unwritable --plot stop the command before the sweep (exit 2)."""
+    for flag, text in (("--chunks", args.chunks), ("--lens", args.lens)):
+        try:
+            if text:
+                parse_int_list(text)
+        except ValueError as err:
+            parser.error(f"argument {flag}: {err}")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        parser.error(f"argument --plot: folder of {args.plot!r} does not exist")
+
+
 def main(args) -> int:
-    for name in ("max_n", "max_t", "workers"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    try:
-        chunks = parse_int_list(args.chunks)
-        extra = parse_int_list(args.lens) if args.lens else []
-    except ValueError as err:
-        raise SystemExit(str(err)) from None
+    chunks = parse_int_list(args.chunks)
+    extra = parse_int_list(args.lens) if args.lens else []
     began = time.perf_counter()
     total = sweep(args.max_n, args.max_t, chunks, args.workers, not args.quiet, extra)
     print(summary(total, time.perf_counter() - began, args.workers))
