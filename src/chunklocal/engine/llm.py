@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -16,12 +15,12 @@ from chunklocal import bounds
 from chunklocal._validate import as_int, cdiv, check_chunk_geometry
 from chunklocal.engine.block_manager import BlockManager, KVGroup
 from chunklocal.engine.model_runner import ModelRunner
+from chunklocal.engine.requests import check_prompts, check_temperature, load_tokenizer, torch_dtype
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.sequence import SamplingParams, Sequence
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 from chunklocal.models.llama4 import CHUNKED, GLOBAL, load_llama4, load_text_config
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _CPU_KV_BYTES = 2 << 30  # default KV budget on the CPU when num_kv_blocks is None
 
 
@@ -46,23 +45,6 @@ class GenerateStats:
                 f"steps, peak virtual batches per step {self.peak_virtual_batches}, "
                 f"preemptions {self.preemptions}, drafts accepted {self.accepted_tokens}/"
                 f"{self.draft_tokens}, peak KV blocks {self.peak_blocks}")
-
-
-_DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
-
-
-def _torch_dtype(dtype):
-    """None / "auto" (the default rule), a torch float dtype, or one of its names."""
-    if dtype is None or dtype == "auto":
-        return None
-    if isinstance(dtype, str) and dtype in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES.values():
-        return dtype
-    raise ValueError(f"dtype must be None, 'auto', torch.float32/bfloat16/float16 or one of "
-                     f"{sorted(_DTYPE_NAMES)}, got {dtype!r}")
 
 
 class LLM:
@@ -90,7 +72,7 @@ class LLM:
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model must be a checkpoint directory with config.json and "
                              f"*.safetensors; {str(model)!r} has no config.json")
-        dtype = _torch_dtype(dtype)
+        dtype = torch_dtype(dtype)
         config = load_text_config(self.model_dir)
         self.config = config
         if max_model_len is None:
@@ -235,58 +217,13 @@ class LLM:
     def tokenizer(self):
         """The checkpoint directory's tokenizer (transformers' AutoTokenizer)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            if not any((self.model_dir / name).is_file() for name in _TOKENIZER_FILES):
-                raise ValueError(f"{self.model_dir} has no tokenizer (none of "
-                                 f"{', '.join(_TOKENIZER_FILES)}); pass token ids")
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+            self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
     def _check_prompts(self, prompts, max_new_tokens, room_for_new_tokens=True):
-        """Token lists of valid prompts, or ValueError naming the first bad one.
-
-        ``room_for_new_tokens``: the prompt plus ``max_new_tokens`` must fit in
-        max_model_len (generate); otherwise only the prompt must (prompt_logits).
-        """
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts must be a list of token-id lists or of strings")
-        if as_int(max_new_tokens, "max_new_tokens") <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        max_new_tokens = int(max_new_tokens)
-        as_text = bool(prompts) and all(isinstance(p, str) for p in prompts)
-        if as_text:
-            try:
-                tokenizer = self.tokenizer
-            except ValueError as err:
-                raise ValueError(f"prompt 0 is a string: {err}") from err
-            ids = [tokenizer(p)["input_ids"] for p in prompts]
-        else:
-            ids = prompts
-        reserved = max_new_tokens if room_for_new_tokens else 0
-        vocab = self.config.vocab_size
-        checked = []
-        for i, prompt in enumerate(ids):
-            if isinstance(prompt, (str, bytes)):
-                raise ValueError(f"prompt {i}: mixes strings and token-id lists")
-            try:
-                arr = np.asarray(prompt)
-            except ValueError:  # ragged nesting
-                arr = None
-            if (arr is None or arr.ndim != 1
-                    or (arr.size and not np.issubdtype(arr.dtype, np.integer))):
-                raise ValueError(f"prompt {i}: expected a flat list of int token ids")
-            if arr.size == 0:
-                raise ValueError(f"prompt {i} is empty")
-            bad = np.flatnonzero((arr < 0) | (arr >= vocab))
-            if bad.size:
-                raise ValueError(f"prompt {i}: token id {int(arr[bad[0]])} at index "
-                                 f"{int(bad[0])} is outside the vocabulary [0, {vocab})")
-            if arr.size + reserved > self.max_model_len:
-                raise ValueError(f"prompt {i}: {arr.size} tokens + max_new_tokens {reserved} "
-                                 f"exceed max_model_len {self.max_model_len}")
-            checked.append(arr.tolist())
-        return checked, as_text
+        return check_prompts(prompts, max_new_tokens, lambda: self.tokenizer,
+                             self.config.vocab_size, self.max_model_len,
+                             room_for_new_tokens)
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  ignore_eos: bool = False, use_tqdm: bool | None = None):
@@ -296,10 +233,7 @@ class LLM:
         ValueError naming its index and value.  ``use_tqdm=None`` shows the
         progress bar and the summary line only for calls longer than 2 s.
         """
-        if (isinstance(temperature, (bool, np.bool_))
-                or not isinstance(temperature, (int, float, np.integer, np.floating))
-                or not math.isfinite(temperature) or temperature < 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        check_temperature(temperature)
         token_lists, as_text = self._check_prompts(prompts, max_new_tokens)
         params = SamplingParams(int(max_new_tokens), float(temperature), bool(ignore_eos))
         seqs = self._run(token_lists, params, use_tqdm)

@@ -1,0 +1,97 @@
+"""What a caller hands ``chunklocal.LLM``, checked before any work starts.
+
+Every check raises ValueError naming the argument (and, for prompts, the index
+and the value), so a bad request never reaches the scheduler and the other
+prompts of the call are not disturbed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from chunklocal._validate import as_int
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+_DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(dtype):
+    """None / "auto" (the default rule), a torch float dtype, or one of its names."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, str) and dtype in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES.values():
+        return dtype
+    raise ValueError(f"dtype must be None, 'auto', torch.float32/bfloat16/float16 or one of "
+                     f"{sorted(_DTYPE_NAMES)}, got {dtype!r}")
+
+
+def load_tokenizer(model_dir: Path):
+    """transformers' AutoTokenizer of a checkpoint directory that has tokenizer files."""
+    from transformers import AutoTokenizer
+
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{model_dir} has no tokenizer (none of "
+                         f"{', '.join(TOKENIZER_FILES)}); pass token ids")
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def check_temperature(temperature) -> None:
+    if (isinstance(temperature, (bool, np.bool_))
+            or not isinstance(temperature, (int, float, np.integer, np.floating))
+            or not math.isfinite(temperature) or temperature < 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+
+
+def check_prompts(prompts, max_new_tokens, get_tokenizer, vocab_size: int, max_model_len: int,
+                  room_for_new_tokens: bool = True):
+    """(token lists, prompts were strings) of valid prompts, or ValueError naming the
+    first bad one.  ``get_tokenizer``: a callable returning the tokenizer, called only for
+    string prompts.  ``room_for_new_tokens``: the prompt plus ``max_new_tokens`` must
+    fit in max_model_len (generate); otherwise only the prompt must (prompt_logits).
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a list of token-id lists or of strings")
+    if as_int(max_new_tokens, "max_new_tokens") <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
+    as_text = bool(prompts) and all(isinstance(p, str) for p in prompts)
+    if as_text:
+        try:
+            tokenizer = get_tokenizer()
+        except ValueError as err:
+            raise ValueError(f"prompt 0 is a string: {err}") from err
+        ids = [tokenizer(p)["input_ids"] for p in prompts]
+    else:
+        ids = prompts
+    reserved = max_new_tokens if room_for_new_tokens else 0
+    checked = []
+    for i, prompt in enumerate(ids):
+        if isinstance(prompt, (str, bytes)):
+            raise ValueError(f"prompt {i}: mixes strings and token-id lists")
+        try:
+            arr = np.asarray(prompt)
+        except ValueError:  # ragged nesting
+            arr = None
+        if (arr is None or arr.ndim != 1
+                or (arr.size and not np.issubdtype(arr.dtype, np.integer))):
+            raise ValueError(f"prompt {i}: expected a flat list of int token ids")
+        if arr.size == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+        if bad.size:
+            raise ValueError(f"prompt {i}: token id {int(arr[bad[0]])} at index "
+                             f"{int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+        if arr.size + reserved > max_model_len:
+            raise ValueError(f"prompt {i}: {arr.size} tokens + max_new_tokens {reserved} "
+                             f"exceed max_model_len {max_model_len}")
+        checked.append(arr.tolist())
+    return checked, as_text
