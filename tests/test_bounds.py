@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -302,3 +303,49 @@ def test_cli_small_sweep_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="want '1-16'"):
         verify_bounds.parse_int_list("1-x")
+
+
+def _exact_by_python_ints(n_max, tokens, chunk, model_len, block_size):
+    """The closed forms of bounds.py written out in Python ints (no numpy, no wrap-around)."""
+    n = min(n_max, tokens)
+    k = (model_len - 1) // chunk
+    first = min(n, tokens - n) if k >= 1 else 0
+    batches = n + first + min((tokens - n - first) // chunk, first * max(k - 1, 0))
+    seq_pages = -(-model_len // block_size)
+    base = min(chunk // block_size, seq_pages)
+    cap = seq_pages - base
+    first = min(n, tokens - n) if cap >= 1 else 0
+    local = n * base + first + min((tokens - n - first) // block_size, first * max(cap - 1, 0))
+    return batches, local, n * seq_pages
+
+
+@pytest.mark.parametrize("n_max,tokens,chunk,model_len,block_size", [
+    (2**33, 2**62, 1, 2**62, 1),       # reviewer's case: numpy int64 wrapped to 0
+    (2**20, 2**62, 2**10, 2**62, 1),
+    (2**32, 2**32, 2**20, 2**40, 1),    # global pages 2**72: past int64
+    (2**70, 2**80, 2**30, 2**90, 2**4),  # every input past int64
+    (3, 2**64 + 7, 8, 2**64, 4),
+])
+def test_huge_limits_are_exact_python_ints(n_max, tokens, chunk, model_len, block_size):
+    batches, local, glob = _exact_by_python_ints(n_max, tokens, chunk, model_len, block_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy overflow warning either
+        got = (bounds.max_virtual_batches(n_max, tokens, chunk, model_len),
+               bounds.max_local_pages(n_max, tokens, chunk, model_len, block_size),
+               bounds.max_global_pages(n_max, tokens, model_len, block_size),
+               bounds.max_local_pages(n_max, tokens, None, model_len, block_size))
+    assert got == (batches, local, glob, glob)
+    assert all(type(x) is int for x in got)
+    assert bounds.max_virtual_batches(2**33, 2**62, 1, 2**62) == 4611686018427387904
+    assert bounds.max_global_pages(2**32, 2**32, 2**40, 1) == 2**72
+    # numpy integer inputs take the same exact path
+    assert bounds.max_virtual_batches(np.int64(2**33), np.int64(2**62), np.int64(1),
+                                      np.int64(2**62)) == 4611686018427387904
+    sizes = bounds.buffer_sizes(chunk, EngineLimits(n_max, tokens, model_len, block_size))
+    assert (sizes.num_batches, sizes.local_pages, sizes.global_pages) == (batches, local, 0)
+
+
+@pytest.mark.parametrize("spec_or_chunk", [8.0, "8", [8], object()])
+def test_buffer_sizes_rejects_what_is_not_a_spec_or_chunk(spec_or_chunk):
+    with pytest.raises(ValueError, match=r"spec_or_chunk must be a KV spec.*got"):
+        bounds.buffer_sizes(spec_or_chunk, EngineLimits(2, 100, 64, 4))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,3 +114,16 @@ def test_fractional_geometry_is_refused_not_truncated(field):
         FullAttentionSpec(dtype=torch.bfloat16, **values)
     with pytest.raises(ValueError, match="attention_chunk_size must be an integer"):
         ChunkedLocalAttentionSpec(16, 8, 128, torch.bfloat16, attention_chunk_size=8192.5)
+
+
+@pytest.mark.parametrize("window", ["x", 2.5, 512.0, True, -4])
+def test_sliding_window_must_be_a_positive_integer(window):
+    with pytest.raises(ValueError, match=r"sliding_window"):
+        FullAttentionSpec(16, 1, 8, torch.float32, sliding_window=window)
+
+
+def test_sliding_window_accepts_none_and_integers():
+    assert FullAttentionSpec(16, 1, 8, torch.float32).sliding_window is None
+    assert FullAttentionSpec(16, 1, 8, torch.float32, sliding_window=512).sliding_window == 512
+    assert FullAttentionSpec(16, 1, 8, torch.float32,
+                             sliding_window=np.int64(7)).sliding_window == 7

@@ -12,10 +12,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunklocal.metadata import Capacity, MetadataBuffers, graph_slots, write_step
+from chunklocal.metadata import (
+    Capacity,
+    MetadataBuffers,
+    graph_slots,
+    slot_page_limits,
+    verify_use_first,
+    write_graph_step,
+    write_graph_step_device,
+    write_step,
+)
 
 GEOMETRIES = [(32, 4), (64, 16), (48, 16), (16, 16), (8192, 16)]
 
@@ -167,3 +177,55 @@ def test_whole_requests_reject_like_the_general_path():
         buffers.write_whole_requests(np.array([1, 1]), np.array([5, 0]), table)
     with pytest.raises(ValueError, match="slot 0 reads pages up to column 2 of a 2-column"):
         buffers.write_whole_requests(np.array([1, 1]), np.array([33, 5]), table)
+
+
+# ------------------------------------------------ graph layouts need query_len <= chunk
+def test_graph_layout_rejects_a_window_longer_than_the_chunk():
+    """Two slots cover a window only if it touches at most two chunks (query_len <= c).
+
+    Before the check, chunk 2 with a 5-token window at positions 1..5 laid out
+    slots in which position 1 read no keys at all.
+    """
+    seq = np.array([6])
+    message = r"query_len 5 .*chunk size 2"
+    with pytest.raises(ValueError, match=message):
+        slot_page_limits(2, 5, 16, 1)
+    with pytest.raises(ValueError, match=message):
+        graph_slots(seq, 5, 2, 1, True)
+    with pytest.raises(ValueError, match=message):
+        graph_slots(torch.from_numpy(seq), 5, 2, 1, False)
+    with pytest.raises(ValueError, match=message):
+        verify_use_first(seq, 5, 2)
+    buffers = MetadataBuffers(Capacity(4, 32), 1, verify_rows=8)
+    table = np.arange(8).reshape(1, 8)
+    with pytest.raises(ValueError, match=message):
+        write_graph_step(buffers, seq, table, 5, 2, True, 0)
+    with pytest.raises(ValueError, match=message):
+        write_graph_step_device(buffers, torch.from_numpy(seq), torch.from_numpy(table), 5, 2,
+                                True, 0, 16)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 6])
+def test_graph_slots_give_each_window_row_its_chunk(chunk):
+    """query_len <= c (the accepted range): every row sees exactly its chunk's keys."""
+    for query_len in range(1, chunk + 1):
+        seq = np.arange(query_len, 4 * chunk + query_len, dtype=np.int64)
+        two = len(slot_page_limits(chunk, query_len, int(seq.max()), 1)) == 2
+        kv, first, _ = graph_slots(seq, query_len, chunk, 1, two)
+        slots = 2 if two else 1
+        mask = verify_use_first(seq, query_len, chunk) if two else np.zeros(
+            (seq.size, query_len), bool)
+        for r, s in enumerate(seq.tolist()):
+            for i in range(query_len):
+                slot = r * slots + (0 if mask[r, i] else slots - 1)
+                seen = int(kv[slot]) - query_len + i + 1  # bottom-right causal in the slot
+                start = int(first[slot])
+                p = s - query_len + i
+                assert list(range(start, start + seen)) == list(range(p // chunk * chunk, p + 1))
+
+
+def test_graph_layout_accepts_windows_up_to_the_chunk():
+    assert slot_page_limits(2, 2, 16, 1) == (3, 2)
+    assert slot_page_limits(None, 50, 16, 1) == (16,)  # no chunking: no limit
+    kv, first, rows = graph_slots(np.array([6, 0]), 50, None, 1, False)
+    assert kv.tolist() == [6, 0] and rows.tolist() == [0, -1]

@@ -227,3 +227,24 @@ def test_memory_per_group_stays_within_budget(monkeypatch):
     rows = [0, 1023, 1024, 1025, 2047, 2048, 2999]
     want = dense_chunked_attention(q, k, v, [0, seq_len], [seq_len], table, chunk)
     torch.testing.assert_close(out[rows].double(), want[rows], atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("num_pages,message", [
+    (1.5, r"num_pages must be an integer, got 1.5"),
+    ("3", r"num_pages must be an integer"),
+    (True, r"num_pages must be an integer"),
+    (-1, r"num_pages must be non-negative, got -1"),
+])
+def test_plan_rejects_bad_num_pages(num_pages, message):
+    with pytest.raises(ValueError, match=message):
+        reference.plan_paged_attention([0, 1], [2], [[0]], block_size=2, num_kv_heads=1,
+                                       head_dim=4, num_pages=num_pages)
+
+
+def test_plan_accepts_integer_num_pages():
+    plan = reference.plan_paged_attention([0, 1], [2], [[0]], block_size=2, num_kv_heads=1,
+                                          head_dim=4, num_pages=np.int64(1))
+    assert plan.pages_end == 1
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = 1 is not a page .*\(0..0\)"):
+        reference.plan_paged_attention([0, 1], [2], [[1]], block_size=2, num_kv_heads=1,
+                                       head_dim=4, num_pages=1)

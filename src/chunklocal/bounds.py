@@ -68,32 +68,46 @@ def _limits(max_num_seqs, max_num_batched_tokens, chunk_size, max_model_len, blo
     return n_max, tokens, chunk, model_len, block_size
 
 
+def _ints(*values) -> bool:
+    """Whether every value is a Python int (the scalar path: exact, never wraps)."""
+    return all(type(v) is int for v in values)
+
+
+def _minimum(a, b):
+    return min(a, b) if _ints(a, b) else np.minimum(a, b)
+
+
 def _stepped(n, budget, step, cap):
     """max sum_i min(cdiv(a_i, step), cap) over n requests with sum_i a_i <= budget.
 
     A first unit costs one token, each further unit ``step``; first units are
-    the cheapest, so all min(n, budget) of them are bought first.  Works on
-    ints and numpy arrays alike (the verifier evaluates it on whole grids).
+    the cheapest, so all min(n, budget) of them are bought first.  Python ints
+    (the public bounds, exact at any size) or numpy arrays (the verifier
+    evaluates it on whole grids, in int64).
     """
+    if _ints(n, budget, step, cap):
+        first = min(n, budget) if cap >= 1 else 0
+        return first + min((budget - first) // step, first * max(cap - 1, 0))
     first = np.where(cap >= 1, np.minimum(n, budget), 0)
     further = np.minimum((budget - first) // step, first * np.maximum(cap - 1, 0))
     return first + further
 
 
+# The formulas below take Python ints (exact) or numpy grids (the verifier).
 def _virtual_batches_formula(n_max, tokens, chunk, model_len):
-    n = np.minimum(n_max, tokens)
+    n = _minimum(n_max, tokens)
     return n + _stepped(n, tokens - n, chunk, (model_len - 1) // chunk)
 
 
 def _local_pages_formula(n_max, tokens, chunk, model_len, block_size):
-    n = np.minimum(n_max, tokens)
+    n = _minimum(n_max, tokens)
     seq_pages = cdiv(model_len, block_size)
-    base = np.minimum(chunk // block_size, seq_pages)
+    base = _minimum(chunk // block_size, seq_pages)
     return n * base + _stepped(n, tokens - n, block_size, seq_pages - base)
 
 
 def _global_pages_formula(n_max, tokens, model_len, block_size):
-    return np.minimum(n_max, tokens) * cdiv(model_len, block_size)
+    return _minimum(n_max, tokens) * cdiv(model_len, block_size)
 
 
 def published_virtual_batches_bound(max_num_seqs: int, max_num_batched_tokens: int,
@@ -291,6 +305,9 @@ def buffer_sizes(spec_or_chunk, limits, num_draft_tokens: int | None = None) -> 
     if spec_or_chunk is None or isinstance(spec_or_chunk, Integral):
         chunk, block_size = spec_or_chunk, limits.block_size
         has_global = chunk is None
+    elif not hasattr(spec_or_chunk, "block_size"):
+        raise ValueError("spec_or_chunk must be a KV spec (with a block_size), an integer "
+                         f"chunk size or None, got {spec_or_chunk!r}")
     else:
         chunk, block_size = chunk_size_of(spec_or_chunk), spec_or_chunk.block_size
         has_global = needs_global_pages(spec_or_chunk)

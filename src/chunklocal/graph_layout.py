@@ -6,6 +6,10 @@ global layers, two (first chunk, last chunk) for a chunked verify window that ca
 straddle a chunk boundary.  These functions lay the slots out and write them into
 :class:`~chunklocal.metadata.MetadataBuffers`, on the host or (capturable) on the
 device.  They work on numpy arrays and torch tensors alike.
+
+Two slots cover a window only when it touches at most two chunks, so every
+function here that takes ``query_len`` and a chunk size raises ValueError when
+``query_len > chunk`` (a longer window would silently lose keys).
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ if TYPE_CHECKING:
     from chunklocal.metadata import MetadataBuffers
 
 
+def _check_window(query_len: int, chunk: int | None) -> None:
+    """The two-slot layout holds a window of query_len tokens only if query_len <= chunk."""
+    if chunk is not None and query_len > chunk:
+        raise ValueError(f"query_len {query_len} exceeds the chunk size {chunk}: a graph step's "
+                         "window must fit in one chunk so that it touches at most two chunks")
+
+
 def slot_page_limits(chunk: int | None, query_len: int, model_len: int,
                      block_size: int) -> tuple[int, ...]:
     """Most pages each slot of one request's padded graph layout can read.
@@ -30,6 +41,7 @@ def slot_page_limits(chunk: int | None, query_len: int, model_len: int,
     boundary can fall inside it.  The first slot reads from the previous chunk's
     start through the window's end: at most ``c + query_len - 1`` keys.
     """
+    _check_window(query_len, chunk)
     seq_pages = cdiv(model_len, block_size)
     if chunk is None:
         return (seq_pages,)
@@ -50,6 +62,7 @@ def graph_slots(seq_lens, query_len: int, chunk: int | None, block_size: int,
     when the window straddles a chunk boundary (a padding slot otherwise).
     Works on numpy arrays (host) and torch tensors (device) alike.
     """
+    _check_window(query_len, chunk)
     xp = torch if isinstance(seq_lens, torch.Tensor) else np
     s = seq_lens
     real = s > 0
@@ -72,6 +85,7 @@ def graph_slots(seq_lens, query_len: int, chunk: int | None, block_size: int,
 
 def verify_use_first(seq_lens, query_len: int, chunk: int) -> torch.Tensor | np.ndarray:
     """[B, query_len] bool: query row i of request r lies before its last chunk's start."""
+    _check_window(query_len, chunk)
     xp = torch if isinstance(seq_lens, torch.Tensor) else np
     s = seq_lens
     if isinstance(s, torch.Tensor):

@@ -42,8 +42,9 @@ class FullAttentionSpec:
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"{type(self).__name__}.dtype must be a torch.dtype, "
                              f"got {self.dtype!r}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        window = self.sliding_window
+        if window is not None and as_int(window, f"{type(self).__name__}.sliding_window") <= 0:
+            raise ValueError(f"sliding_window must be positive, got {window}")
         chunk = self.attention_chunk_size
         if chunk is not None and (as_int(chunk, "attention_chunk_size") <= 0
                                   or chunk % self.block_size):

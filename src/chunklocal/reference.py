@@ -166,6 +166,8 @@ def plan_paged_attention(query_start_loc, seq_lens, block_table, *, block_size: 
                                     or num_q_heads % num_kv_heads):
         raise ValueError(f"num_q_heads {num_q_heads} is not a positive multiple of "
                          f"num_kv_heads {num_kv_heads}")
+    if num_pages is not None and as_int(num_pages, "num_pages") < 0:
+        raise ValueError(f"num_pages must be non-negative, got {num_pages}")
     qsl, seq, table, query_lens = validate_batch(query_start_loc, seq_lens, block_table,
                                                  block_size)
     offset = np.zeros_like(seq)
