@@ -287,3 +287,50 @@ def test_real_slots_need_real_table_rows_and_columns():
     # A padding slot (row -1) reads the scratch page and needs no table at all.
     step = buffers.write_host([1], [5], [0], [-1], np.zeros((1, 0), np.int32), scratch_page=7)
     assert step.paged_kv_indices.tolist() == [7]
+
+
+def snapshot_state(buffers):
+    return (buffers._next_set, (buffers.capacity.batches, buffers.capacity.pages),
+            [{n: t.clone() for n, t in m.items()} for m in buffers.host])
+
+
+def assert_state_unchanged(buffers, before):
+    next_set, capacity, mirrors = before
+    assert buffers._next_set == next_set
+    assert (buffers.capacity.batches, buffers.capacity.pages) == capacity
+    for saved, m in zip(mirrors, buffers.host, strict=True):
+        assert all(torch.equal(saved[n], m[n]) for n in saved)
+
+
+def test_negative_first_page_is_refused_not_read_from_the_end():
+    # first_page -1 would index the table's last column (numpy negative indexing).
+    buffers = MetadataBuffers(Capacity(4, 16), 2, cuda_graphs=False, name="tiny")
+    before = snapshot_state(buffers)
+    with pytest.raises(ValueError, match=r"tiny: slot 1 starts at block-table column -1"):
+        buffers.write_host([1, 1], [2, 2], [0, -1], [0, 0], np.array([[10, 11, 12]]))
+    assert_state_unchanged(buffers, before)
+    # A padding slot (row -1) ignores its first_page.
+    step = buffers.write_host([1, 1], [2, 2], [0, -1], [0, -1], np.array([[10, 11, 12]]),
+                              scratch_page=3)
+    assert step.paged_kv_indices.tolist() == [10, 3]
+
+
+@pytest.mark.parametrize("dtype,value", [(np.int64, 2**32 + 7), (np.int64, 2**31),
+                                         (np.int64, -(2**31) - 1), (np.uint32, 2**32 - 1),
+                                         (np.uint64, 2**63 + 5)])
+def test_page_ids_past_int32_are_refused_not_wrapped(dtype, value):
+    # The mirrors hold int32 page ids: a wider id a real slot reads is an error naming
+    # the slot and the value (write_host and write_graph_step, which calls it), raised
+    # before a mirror is claimed or a buffer grows.
+    buffers = MetadataBuffers(Capacity(1, 2), 2, cuda_graphs=False, name="tiny")
+    table = np.array([[5, value], [6, 7]], dtype=dtype)
+    before = snapshot_state(buffers)
+    with pytest.raises(ValueError, match=rf"tiny: slot 0 reads block_table\[0, 1\] = {value}, "
+                                         "which does not fit an int32"):
+        buffers.write_host([1, 1], [4, 2], [0, 0], [0, 1], table)
+    with pytest.raises(ValueError, match=rf"slot 0 reads block_table\[0, 1\] = {value}, "):
+        write_graph_step(buffers, np.array([3, 2]), table, 1, 4, False, 0)
+    assert_state_unchanged(buffers, before)
+    # Only pages a real slot reads count: padding slots and unread columns may hold anything.
+    step = buffers.write_host([1, 1], [2, 2], [0, 0], [-1, 1], table, scratch_page=9)
+    assert step.paged_kv_indices.tolist() == [9, 6]

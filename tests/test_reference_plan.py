@@ -265,3 +265,14 @@ def test_forward_on_a_missing_layer_kind_is_a_value_error():
     cache = torch.randn(1, 4, 1, 8)
     with pytest.raises(ValueError, match="chunked=True: this KV group has no chunked layers"):
         backend.forward(plans, q, cache, cache, 1.0, chunked=True)
+
+
+@pytest.mark.parametrize("kind", ["chunked", "merged"])
+def test_backend_build_errors_name_the_callers_request(kind):
+    # Request 0 becomes three virtual batches, so request 1 is virtual batch 3: the
+    # error must name the caller's request, as reference_attention does.
+    b = dict(block=2, shape=(4, 1, 1, 4), chunk=2)
+    backend = TorchRefBackend(spec_for(b, kind))
+    table = np.array([[0, 1, 2], [-1, 0, 0]])
+    with pytest.raises(ValueError, match=r"^request 1: block_table\[1, 0\] = -1 is not a page"):
+        backend.build([0, 6, 7], [6, 1], table)

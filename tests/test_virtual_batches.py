@@ -252,3 +252,57 @@ def test_page_ids_outside_int32_are_refused_not_wrapped(value):
         make_virtual_batches([0, 1, 2], [1, 17], table, 32, 16)
     with pytest.raises(ValueError, match=rf"request 1: block_table\[1, 1\] = {value} "):
         validate_batch([0, 1, 2], [1, 17], table, 16)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, torch.int32], ids=str)
+def test_negative_page_ids_in_used_columns_are_refused(dtype):
+    # A page a request reads (column < cdiv(seq_len, block_size)) must be a page id,
+    # in every path that validates a batch (backends, make_virtual_batches).
+    def table(rows):
+        arr = np.array(rows, dtype=np.int64)
+        return torch.from_numpy(arr).to(dtype) if isinstance(dtype, torch.dtype) else \
+            arr.astype(dtype)
+
+    with pytest.raises(ValueError, match=r"request 0: block_table\[0, 1\] = -1 is not a page"):
+        validate_batch([0, 1], [3], table([[5, -1]]), 2)
+    with pytest.raises(ValueError, match=r"request 0: block_table\[0, 0\] = -1 is not a page"):
+        make_virtual_batches([0, 1], [2], table([[-1]]), 4, 2)
+    # The first offending request is named, with its first negative used column.
+    with pytest.raises(ValueError, match=r"request 2: block_table\[2, 1\] = -7 "):
+        validate_batch([0, 1, 1, 2], [3, 0, 4], table([[5, 6, -1], [-1, -1, -1],
+                                                       [8, -7, -3]]), 2)
+    # Unused columns (padding past the pages a request reads) and the rows of
+    # seq_len-0 requests may hold anything.
+    padded = table([[5, 6, -1], [-1, -1, -1], [7, -1, -1], [1, 2, 3]])
+    vb = make_virtual_batches([0, 1, 1, 2, 3], [3, 0, 2, 6], padded, 4, 2)
+    np.testing.assert_array_equal(vb.block_table, [[5, 6], [7, -1], [3, 3]])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_negative_page_check_matches_a_per_entry_rule(data):
+    """validate_batch refuses a table iff some column a request reads is negative."""
+    n = data.draw(st.integers(1, 4))
+    block = data.draw(st.sampled_from([1, 2, 4]))
+    width = data.draw(st.integers(1, 4))
+    seq = [data.draw(st.integers(0, width * block)) for _ in range(n)]
+    table = np.array(data.draw(st.lists(st.lists(st.sampled_from([-3, -1, 0, 2]),
+                                                 min_size=width, max_size=width),
+                                        min_size=n, max_size=n)), dtype=np.int32)
+    bad = [(i, j) for i in range(n) for j in range(-(-seq[i] // block)) if table[i, j] < 0]
+    if not bad:
+        validate_batch([0] * (n + 1), seq, table, block)
+        return
+    i, j = bad[0]
+    with pytest.raises(ValueError, match=rf"request {i}: block_table\[{i}, {j}\] = "
+                                         rf"{table[i, j]} is not a page"):
+        validate_batch([0] * (n + 1), seq, table, block)
+
+
+@pytest.mark.parametrize("args,name", [
+    (([0, 1, 2], [2, 2], [[1, 2], [3]]), "block_table"),
+    (([0, 1, 2], [2, [2]], [[1], [3]]), "seq_lens"),
+])
+def test_ragged_inputs_name_the_argument(args, name):
+    with pytest.raises(ValueError, match=rf"{name} must be a \d-D int array, got a ragged"):
+        make_virtual_batches(*args, 4, 2)

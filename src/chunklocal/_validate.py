@@ -18,7 +18,12 @@ def as_int_array(value, name: str, ndim: int, keep_dtype: bool = False) -> np.nd
         raise ValueError(f"{name} must be on the CPU, got a tensor on {value.device}")
     if hasattr(value, "numpy") and not isinstance(value, np.ndarray):
         value = value.numpy()
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except ValueError:
+        # Ragged nested sequences: numpy's "inhomogeneous shape" names nothing.
+        raise ValueError(f"{name} must be a {ndim}-D int array, got a ragged sequence "
+                         "(rows of different lengths)") from None
     if arr.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):

@@ -19,6 +19,8 @@ import torch
 from chunklocal._validate import cdiv, raise_first
 from chunklocal.graph_layout import graph_slots
 
+_INT32_MAX = np.iinfo(np.int32).max
+
 
 class _DecodeCache:
     """Index arrays that only grow, reused across steps instead of re-made each step."""
@@ -74,39 +76,49 @@ class HostWrites:
         table = np.asarray(block_table)
         if table.ndim != 2:
             raise ValueError(f"{self.name}: block_table must be 2-D, got shape {table.shape}")
-        end = np.asarray(first_page, dtype=np.int64) + pages
+        first = np.asarray(first_page, dtype=np.int64)
+        raise_first(~padding & (first < 0),
+                    lambda m: f"{self.name}: slot {m} starts at block-table column "
+                    f"{int(np.broadcast_to(first, kv.shape)[m])}; first_page must be >= 0")
+        end = first + pages
         raise_first(~padding & (end > table.shape[1]),
                     lambda m: f"{self.name}: slot {m} reads pages up to column "
                     f"{int(end[m]) - 1} of a {table.shape[1]}-column block table")
         raise_first(~padding & (rows >= table.shape[0]),
                     lambda m: f"{self.name}: slot {m} reads block-table row {int(rows[m])} "
                     f"of a {table.shape[0]}-row table")
+        ends = np.cumsum(pages)
+        num_pages = int(ends[-1]) if num_batches else 0
+        flat = gathered = None
+        if table.size:
+            # Flat index of every page: one repeat and one add, then one gather.  The
+            # index is intp: np.take casts any other index dtype to it first (an
+            # int32 index made the gather ~2x slower).
+            base = np.where(padding, 0, rows * table.shape[1] + first)
+            flat = np.repeat(base - (ends - pages), pages).astype(np.intp, copy=False)
+            flat += self._decode_cache.positions(num_pages)
+            if table.dtype != np.int32:
+                # Not gathered straight into the int32 mirror: a wider id would wrap.
+                gathered = np.take(table.reshape(-1), flat)
+                if table.dtype.itemsize > 4 or table.dtype == np.uint32:
+                    self._check_int32_pages(gathered, padding, pages, ends, rows, first)
         # Bad input is refused above, before any buffer grows or any mirror is claimed.
         self.ensure_capacity(num_batches)
-        num_pages = int(pages.sum())
         self.ensure_capacity(num_batches, num_pages)
         mirror_set = self._claim_mirror_set()
         host = self._host_np[mirror_set]
         kv_indptr = host["paged_kv_indptr"]
         kv_indptr[0] = 0
-        np.cumsum(pages, out=kv_indptr[1:num_batches + 1])
+        kv_indptr[1:num_batches + 1] = ends
         host["qo_indptr"][0] = 0
         np.cumsum(q, out=host["qo_indptr"][1:num_batches + 1])
         self._qo_counting[mirror_set] = 0
         host["paged_kv_last_page_len"][:num_batches] = kv - (pages - 1) * self.block_size
         indices = host["paged_kv_indices"][:num_pages]
-        if table.size:
-            # Flat index of every page: one repeat and one add, then one gather.  The
-            # index is intp: np.take casts any other index dtype to it first (an
-            # int32 index made the gather ~2x slower).
-            base = np.where(padding, 0, rows * table.shape[1]
-                            + np.asarray(first_page, dtype=np.int64))
-            flat = np.repeat(base - kv_indptr[:num_batches], pages).astype(np.intp, copy=False)
-            flat += self._decode_cache.positions(num_pages)
-            if table.dtype == np.int32:
-                np.take(table.reshape(-1), flat, out=indices)
-            else:
-                indices[:] = np.take(table.reshape(-1), flat)
+        if gathered is not None:
+            indices[:] = gathered
+        elif flat is not None:
+            np.take(table.reshape(-1), flat, out=indices)
         if padding.any() or not table.size:
             indices[np.repeat(padding | (not table.size), pages)] = scratch_page
         mirrors = self.host[mirror_set]
@@ -114,6 +126,25 @@ class HostWrites:
                         mirrors["paged_kv_indptr"][:num_batches + 1],
                         mirrors["paged_kv_last_page_len"][:num_batches],
                         mirrors["paged_kv_indices"][:num_pages], mirror_set)
+
+    def _check_int32_pages(self, gathered, padding, pages, ends, rows, first) -> None:
+        """Page ids reach the int32 mirror: refuse one a real slot reads that would wrap."""
+        # Two reductions (no temporaries) clear the usual table; the mask only on failure.
+        if not gathered.size or (gathered.max() <= _INT32_MAX
+                                 and gathered.min() >= -_INT32_MAX - 1):
+            return
+        wraps = (gathered > _INT32_MAX) | (gathered < -_INT32_MAX - 1)
+        if padding.any():
+            wraps &= ~np.repeat(padding, pages)
+
+        def message(p):
+            m = int(np.searchsorted(ends, p, side="right"))
+            row = int(np.broadcast_to(rows, ends.shape)[m])
+            col = int(np.broadcast_to(first, ends.shape)[m]) + p - int(ends[m] - pages[m])
+            return (f"{self.name}: slot {m} reads block_table[{row}, {col}] = "
+                    f"{int(gathered[p])}, which does not fit an int32 page id")
+
+        raise_first(wraps, message)
 
     def write_decode_chunked(self, seq_lens, block_table, chunk: int,
                              scratch_page: int = 0) -> HostStep:
