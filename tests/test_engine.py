@@ -234,7 +234,7 @@ def test_unsupported_config_rejected_before_loading(ckpt, tmp_path, monkeypatch,
     (tmp_path / "config.json").write_text(json.dumps(config))
     from chunklocal.engine import llm as llm_module
 
-    monkeypatch.setattr(llm_module, "load_llama4", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(llm_module, "plan_load", lambda *a, **k: pytest.fail("read weights"))
     with pytest.raises(ValueError, match=message):
         chunklocal.LLM(tmp_path, max_model_len=128)
 
@@ -255,7 +255,7 @@ def test_bad_model_or_dtype_rejected_before_loading(ckpt, tmp_path, monkeypatch,
                                                      message):
     from chunklocal.engine import llm as llm_module
 
-    monkeypatch.setattr(llm_module, "load_llama4", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(llm_module, "plan_load", lambda *a, **k: pytest.fail("read weights"))
     path = ckpt[0] if model == "ckpt" else tmp_path / "meta-llama/Llama-4-Scout-17B-16E"
     with pytest.raises(ValueError, match=message):
         chunklocal.LLM(path, max_model_len=64, **kwargs)

@@ -15,11 +15,9 @@ dense MLP width ``intermediate_size_mlp`` on non-MoE layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from chunklocal.models.llama4_config import (  # noqa: F401  (re-exported)
@@ -29,8 +27,10 @@ from chunklocal.models.llama4_config import (  # noqa: F401  (re-exported)
     layer_kind,
     load_text_config,
     require_hf,
+    rope_parameters,
     supported_rope_type,
 )
+from chunklocal.models.quant import FP8, NO_FP8, Fp8Plan, fp8_grouped_mm, fp8_linear
 
 
 @dataclass
@@ -59,38 +59,59 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, inner: int, act: nn.Module):
+    def __init__(self, hidden: int, inner: int, act: nn.Module, fp8: Fp8Plan = NO_FP8,
+                 prefix: str = ""):
         super().__init__()
         self.act = act
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = fp8.linear(f"{prefix}.gate_proj", hidden, inner)
+        self.up_proj = fp8.linear(f"{prefix}.up_proj", hidden, inner)
+        self.down_proj = fp8.linear(f"{prefix}.down_proj", inner, hidden)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inner: int, act: nn.Module):
+    """Routed experts as (N, K) matrices: ``w13 [E, 2*inner, hidden]`` (gate rows, then up
+    rows) and ``w2 [E, hidden, inner]``.  FP8: float8_e4m3fn with float32 per-output-channel
+    scales ``w13_scale [E, 2*inner]`` and ``w2_scale [E, hidden]``."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int, act: nn.Module,
+                 fp8: bool = False, act_scale_ub: float | None = None):
         super().__init__()
-        self.act = act
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inner))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
+        self.act, self.fp8, self.act_scale_ub = act, fp8, act_scale_ub
+        dtype = FP8 if fp8 else None
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner, dtype=dtype),
+                               requires_grad=False)
+        if fp8:
+            self.w13_scale = nn.Parameter(torch.empty(num_experts, 2 * inner), requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
 
     def run(self, expert, x):
-        gate, up = (x @ self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return (self.act(gate) * up) @ self.down_proj[expert]
+        if self.fp8:
+            gate, up = fp8_linear(x, self.w13[expert], self.w13_scale[expert],
+                                  act_scale_ub=self.act_scale_ub).chunk(2, dim=-1)
+            return fp8_linear(self.act(gate) * up, self.w2[expert], self.w2_scale[expert],
+                              act_scale_ub=self.act_scale_ub)
+        gate, up = (x @ self.w13[expert].t()).chunk(2, dim=-1)
+        return (self.act(gate) * up) @ self.w2[expert].t()
 
     def run_all(self, x_per_expert):
         """x_per_expert [E, T, H] -> [E, T, H]; shape-static (CUDA-graph safe)."""
-        gate, up = torch.bmm(x_per_expert, self.gate_up_proj).chunk(2, dim=-1)
-        return torch.bmm(self.act(gate) * up, self.down_proj)
-
-
-class Router(nn.Module):
-    def __init__(self, hidden: int, num_experts: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        if self.fp8:
+            num_experts, tokens, hidden = x_per_expert.shape
+            offs = torch.arange(1, num_experts + 1, device=x_per_expert.device,
+                                dtype=torch.int32) * tokens
+            flat = x_per_expert.reshape(-1, hidden)
+            gate, up = fp8_grouped_mm(flat, self.w13, self.w13_scale, offs,
+                                      act_scale_ub=self.act_scale_ub).chunk(2, dim=-1)
+            out = fp8_grouped_mm(self.act(gate) * up, self.w2, self.w2_scale, offs,
+                                 act_scale_ub=self.act_scale_ub)
+            return out.view(num_experts, tokens, hidden)
+        gate, up = torch.bmm(x_per_expert, self.w13.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(self.act(gate) * up, self.w2.transpose(1, 2))
 
 
 class MoE(nn.Module):
@@ -99,17 +120,19 @@ class MoE(nn.Module):
     #: data-dependent shapes, so decode steps can be captured in a CUDA graph.
     DENSE_MAX_TOKENS = 64
 
-    def __init__(self, config):
+    def __init__(self, config, fp8: Fp8Plan = NO_FP8, prefix: str = "feed_forward"):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.num_local_experts
         act = activation(config)
-        self.experts = Experts(self.num_experts, config.hidden_size, config.intermediate_size, act)
-        self.router = Router(config.hidden_size, self.num_experts)
-        self.shared_expert = GatedMLP(config.hidden_size, config.intermediate_size, act)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.experts = Experts(self.num_experts, hidden, inner, act,
+                               f"{prefix}.experts" in fp8.modules, fp8.act_scale_ub)
+        self.router = fp8.linear(f"{prefix}.router", hidden, self.num_experts)
+        self.shared_expert = GatedMLP(hidden, inner, act, fp8, f"{prefix}.shared_expert")
 
     def forward(self, x):
-        logits = F.linear(x, self.router.weight)
+        logits = self.router(x)
         top_logit, top_index = torch.topk(logits, self.top_k, dim=1)
         top_score = torch.sigmoid(top_logit.float()).to(x.dtype)
         out = self.shared_expert(x)
@@ -134,7 +157,7 @@ class MoE(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8, prefix: str = "self_attn"):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -148,10 +171,10 @@ class Attention(nn.Module):
             self.temperature = (float(config.floor_scale), float(config.attn_scale))
         bias = config.attention_bias
         hidden, hd = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(hidden, self.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, hidden, bias=bias)
+        self.q_proj = fp8.linear(f"{prefix}.q_proj", hidden, self.num_heads * hd, bias)
+        self.k_proj = fp8.linear(f"{prefix}.k_proj", hidden, self.num_kv_heads * hd, bias)
+        self.v_proj = fp8.linear(f"{prefix}.v_proj", hidden, self.num_kv_heads * hd, bias)
+        self.o_proj = fp8.linear(f"{prefix}.o_proj", self.num_heads * hd, hidden, bias)
         # Paged caches [num_blocks, block_size, Hkv, D], bound by the model runner.
         self.k_cache = self.v_cache = None
 
@@ -185,14 +208,15 @@ def _rotate(x, freqs_cis):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = Attention(config, layer_idx, fp8, f"{prefix}.self_attn")
         if layer_idx in config.moe_layers:
-            self.feed_forward = MoE(config)
+            self.feed_forward = MoE(config, fp8, f"{prefix}.feed_forward")
         else:
             self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size_mlp,
-                                         activation(config))
+                                         activation(config), fp8, f"{prefix}.feed_forward")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -203,22 +227,24 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, fp8: Fp8Plan = NO_FP8):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, i, fp8) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Llama4ForCausalLM(nn.Module):
-    """Parameter names equal the checkpoint's, so loading is one strict state-dict load."""
+    """Module names follow the text checkpoint's (``model.layers.N...``, ``lm_head``); the
+    routed experts hold (N, K) matrices (``w13``/``w2``, see :class:`Experts`) that the
+    loader (models/loader.py) assembles from either published expert layout."""
 
-    def __init__(self, config):
+    def __init__(self, config, fp8: Fp8Plan = NO_FP8):
         super().__init__()
         self.config = config
-        self.model = TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = TextModel(config, fp8)
+        self.lm_head = fp8.linear("lm_head", config.hidden_size, config.vocab_size)
         self._inv_freq = None
         self._rope_scaling = 1.0
 
@@ -228,7 +254,7 @@ class Llama4ForCausalLM(nn.Module):
 
     def init_rope(self, device):
         """float32 inverse frequencies on ``device`` (transformers' formulas per rope type)."""
-        params = getattr(self.config, "rope_parameters", None) or {}
+        params = rope_parameters(self.config)
         rope_type = supported_rope_type(self.config)
         if rope_type == "default":
             dim = self.config.head_dim
@@ -251,33 +277,3 @@ class Llama4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden):
         return self.lm_head(hidden)
-
-
-def load_llama4(model_dir, device="cpu", dtype=None) -> Llama4ForCausalLM:
-    """Build the model from ``config.json`` and load every ``*.safetensors`` shard."""
-    from safetensors.torch import load_file
-
-    model_dir = Path(model_dir)
-    config = load_text_config(model_dir)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if not shards:
-        raise ValueError(f"{model_dir}: no *.safetensors files")
-    state = {}
-    for shard in shards:
-        for name, tensor in load_file(str(shard)).items():
-            # Multimodal checkpoints nest the text model under language_model.
-            if name.startswith("language_model."):
-                name = name[len("language_model."):]
-            if name.startswith(("model.", "lm_head.")):
-                state[name] = tensor
-    if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    with torch.device("meta"):
-        model = Llama4ForCausalLM(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model = model.to(device=device, dtype=dtype).eval()
-    model.init_rope(device)
-    return model
