@@ -139,6 +139,11 @@ def _text_kwargs(text: dict, where: str) -> dict:
         raise ValueError(f"{where}: attn_temperature_tuning must be a bool or an int, "
                          f"got {tuning!r}")
     kwargs["attn_temperature_tuning"] = bool(tuning)  # published: 4, meaning on
+    flags, layers = text.get("no_rope_layers"), text.get("num_hidden_layers", 48)
+    if flags and (not isinstance(flags, list) or len(flags) != layers):
+        # checked before transformers derives layer_types from it, for a clearer message
+        raise ValueError(f"{where}: no_rope_layers must hold {layers} flags of 0 or 1, got "
+                         f"{flags!r}")
     rope = _rope(text, where)
     if _transformers_major() >= 5:
         kwargs["rope_parameters"] = rope
