@@ -406,3 +406,12 @@ def test_published_copy_matches_original_files(published):
     shutil.copy(published / "config.json", published / "config.copy")
     tensors = read_tensors(published)
     assert set(tensors) >= {"lm_head.weight", "model.layers.3.feed_forward.experts.gate_up_proj"}
+
+
+def test_transformers_below_the_declared_floor_is_refused(published, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.51.3")
+    with pytest.raises(ImportError, match=r"transformers 4.51.3 is too old for Llama-4: "
+                                          r"install transformers>=4.57"):
+        engine(published)
