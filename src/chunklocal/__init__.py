@@ -7,8 +7,8 @@ import importlib
 __version__ = "0.1.0"
 
 # Public name -> module that defines it, imported on first use: `import chunklocal`
-# takes 0.01 s this way and 1.8 s if it imported torch and the engine up front
-# (BENCHMARKS.md, "Import time"), so the numpy-only bounds stay cheap to reach.
+# stays a hundredth of a second instead of paying for torch and the engine up front
+# (BENCHMARKS.md, "Import time"), and the numpy-only bounds stay cheap to reach.
 _EXPORTS = {
     "make_virtual_batches": "virtual_batches",
     "VirtualBatches": "virtual_batches",
