@@ -10,7 +10,7 @@ the first.  The controls separate "the tool breaks asynchronous Hopper code" fro
 * ``ragged_fa3``: FlashInfer's ragged FA3 kernel on a fresh 500-token prompt, split
   at c = 256: K/V arrive by TMA (PipelineTmaAsync), not by cp.async as in the paged
   kernel, and the same warp-specialised consumer code (wgmma, named barriers);
-* ``cublas_bf16``: a bf16 2048^3 torch.matmul (cuBLAS's sm90 kernels are TMA +
+* ``cublas_bf16``: a bf16 1024^3 torch.matmul (cuBLAS's sm90 kernels are TMA +
   wgmma warp-specialised too) against a float32 matmul with TF32 off.
 
 ``--reporter`` adds the reporter's prompt (36000 tokens, c = 8192) for FA2 and FA3
@@ -108,7 +108,7 @@ def cublas_bf16(args):
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    a, b = (torch.randn(2048, 2048, device="cuda", generator=gen) for _ in range(2))
+    a, b = (torch.randn(1024, 1024, device="cuda", generator=gen) for _ in range(2))
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = a @ b  # float32, no TF32: SIMT kernels, no wgmma

@@ -105,12 +105,20 @@ class Runner:
         self.resolved = getattr(wrapper, "_backend", self.resolved)
         return lambda: backend.forward(md, q, k, v, SCALE, out=out)
 
-    def __call__(self, batch: pc.StressBatch, q, k, v):
-        """The kernel's output for ``batch``, NaN-poisoned first (unwritten rows stay NaN)."""
+    def __call__(self, batch: pc.StressBatch, q, k, v, contention=None):
+        """The kernel's output for ``batch``, NaN-poisoned first (unwritten rows stay NaN).
+
+        With ``contention``, its matmuls are queued after the host work and just before
+        the kernel, so the two overlap on the device."""
         import torch
 
         out = torch.full_like(q, float("nan"))
-        self.prepare(batch, q, k, v, out)()
+        forward = self.prepare(batch, q, k, v, out)
+        if contention is not None:
+            contention.start()
+        forward()
+        if contention is not None:
+            contention.join()
         return out
 
 
@@ -192,11 +200,7 @@ def reporter_reps(args, runners, contention):
         distinct, max_diff_pairs = 0, 0
         for rep in range(args.reporter_reps):
             contended = contention is not None and rep % 2 == 1
-            if contended:
-                contention.start()
-            out = runner(batch, q, k, v)
-            if contended:
-                contention.join()
+            out = runner(batch, q, k, v, contention if contended else None)
             key = "contended" if contended else "quiet"
             stats[key] = pc.merge_summary(stats[key], pc.summarize(pc.row_errors(out, ref)))
             if first is None:
@@ -237,11 +241,7 @@ def random_batches(args, runners, contention, log):
         contended = contention is not None and i % 3 == 2
         contended_count += contended
         for kernel, runner in runners.items():
-            if contended:
-                contention.start()
-            out = runner(batch, q, k, v)
-            if contended:
-                contention.join()
+            out = runner(batch, q, k, v, contention if contended else None)
             s = pc.summarize(pc.row_errors(out, ref))
             per_kernel[kernel] = pc.merge_summary(per_kernel[kernel], s)
             key = f"{kernel} c={batch.chunk}"
