@@ -457,7 +457,8 @@ def main(argv=None) -> int:
     p.add_argument("--flex-options", default='{"BLOCK_M": 64, "BLOCK_N": 16}',
                    help="FlexAttention kernel_options (JSON); BLOCK_N must divide the page")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="CPU: host split + torch stand-ins")
+    p.add_argument("--quick", "--smoke", action="store_true", dest="quick",
+                   help="CPU: host split + torch stand-ins")
     args = p.parse_args(argv)
     args.kernels = ["torch"] if args.quick else args.kernels.split(",")
     args.device = "cpu" if args.quick else "cuda"

@@ -57,7 +57,7 @@ def parse_args(argv=None):
                    help="run some repetitions next to matmuls on a second stream (GPU default on)")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true",
+    p.add_argument("--quick", "--smoke", action="store_true", dest="quick",
                    help="CPU smoke: tiny sizes, torch reference as the kernel, no timing")
     args = p.parse_args(argv)
     quick = args.quick
