@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--pool-pages", type=int, default=65536, help="KV pool for random batches")
     p.add_argument("--random-budget-s", type=float, default=150.0,
                    help="stop the random batches after this many seconds (recorded)")
+    p.add_argument("--deadline-s", type=float, default=270.0,
+                   help="no new random batch after this many seconds since the start "
+                        "(JIT included), so a wall-clock limit keeps the results")
     p.add_argument("--contention", action=argparse.BooleanOptionalAction, default=None,
                    help="run some repetitions next to matmuls on a second stream (GPU default on)")
     p.add_argument("--skip-timing", action="store_true")
@@ -220,8 +223,9 @@ def reporter_reps(args, runners, contention):
     return result
 
 
-def random_batches(args, runners, contention, log):
-    """``--batches`` random steps, the same inputs for every kernel."""
+def random_batches(args, runners, contention, log, checkpoint=None):
+    """``--batches`` random steps, the same inputs for every kernel; stops at the time
+    budget or the script's deadline, and hands partial results to ``checkpoint``."""
     chunks = (32, 48, 64) if args.quick else pc.STRESS_CHUNKS
     rng = np.random.default_rng(args.seed)
     k, v = pc.random_pool(args.pool_pages, args.device, args.seed + 7)
@@ -230,10 +234,20 @@ def random_batches(args, runners, contention, log):
     per_chunk: dict = {}
     worst: list = []
     t0, done, contended_count, tokens = time.perf_counter(), 0, 0, 0
+
+    def result():
+        return {"target": args.batches, "batches_done": done, "query_rows": tokens,
+                "contended_batches": contended_count, "seconds": time.perf_counter() - t0,
+                "per_kernel": per_kernel, "per_chunk": per_chunk,
+                "batches_with_rows_off": worst[:50]}
+
     for i in range(args.batches):
-        if time.perf_counter() - t0 > args.random_budget_s:
-            log(f"random batches: time budget reached after {done}")
+        now = time.perf_counter()
+        if now - t0 > args.random_budget_s or now - args.start > args.deadline_s:
+            log(f"random batches: time budget or deadline reached after {done}")
             break
+        if checkpoint is not None and done and done % 50 == 0:
+            checkpoint(result())
         batch = pc.random_batch(rng, int(rng.choice(chunks)), args.pool_pages,
                                 max_tokens=args.max_tokens)
         q = pc.random_queries(batch.num_tokens, args.device, args.seed + 1000 + i)
@@ -251,14 +265,12 @@ def random_batches(args, runners, contention, log):
                               **batch.describe(), **s})
         done += 1
         tokens += batch.num_tokens
-    return {"target": args.batches, "batches_done": done, "query_rows": tokens,
-            "contended_batches": contended_count, "seconds": time.perf_counter() - t0,
-            "per_kernel": per_kernel, "per_chunk": per_chunk,
-            "batches_with_rows_off": worst[:50]}
+    return result()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.start = time.perf_counter()
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -267,7 +279,8 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     limits = pc.engine_limits(16, 65536, 131072)
     runners = {kernel: Runner(kernel, limits, args.device) for kernel in args.kernels}
-    payload = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    payload = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                        if k != "start"},
                "threshold": pc.OFF_THRESHOLD, "errors": []}
     name = "prefill_stress_quick" if args.quick else "prefill_stress"
 
@@ -298,7 +311,11 @@ def main(argv=None) -> int:
     if not args.skip_timing:
         phase("timing", lambda: timing(args, runners, rate))
     phase("reporter", lambda: reporter_reps(args, runners, contention))
-    phase("random", lambda: random_batches(args, runners, contention, log))
+    def checkpoint(partial):
+        payload["random"] = partial
+        pc.save(payload, args.out, name)
+
+    phase("random", lambda: random_batches(args, runners, contention, log, checkpoint))
     fa3 = runners.get("fa3")
     if fa3 is not None and fa3.resolved not in (None, "fa3"):
         payload["errors"].append({"phase": "check", "error": f"prefill_backend='auto' ran "
