@@ -182,6 +182,7 @@ def timing(args, runners, rate):
         if "fa2_ms" in row and "fa3_ms" in row:
             row["fa2/fa3"] = row["fa2_ms"] / row["fa3_ms"]
         rows.append(row)
+        print(f"[timing] {row}", flush=True)
         del q, k, v, out
     return rows
 
