@@ -134,8 +134,9 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner))
         # Per-output-channel float32 scales of float8 weights ([E, 2I], [E, H]); a
-        # quantized loader registers them, float weights have none.
-        self.w13_scale = self.w2_scale = None
+        # quantized loader assigns them (then they are buffers), float weights have none.
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
 
 
 class SharedExpert(nn.Module):
