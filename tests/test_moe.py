@@ -190,7 +190,7 @@ def test_hf_expert_tensor_layout():
     assert hf_expert_tensor("model.layers.0.feed_forward.down_proj.weight", other)[1] is other
 
 
-def test_fp8_experts_dispatch_to_quant():
+def test_fp8_experts_dispatch_to_quant(monkeypatch):
     """float8 expert weights with per-output-channel scales go through
     quant.fp8_grouped_mm (branch ckpt) and match the dequantized weights."""
     quant = pytest.importorskip("chunklocal.models.quant")
@@ -206,10 +206,12 @@ def test_fp8_experts_dispatch_to_quant():
         setattr(ex, name, torch.nn.Parameter(fp8, requires_grad=False))
         setattr(ex, name + "_scale", scale)
         getattr(reference.experts, name).data = (fp8.float() * scale[..., None]).bfloat16()
-    assert quant.fp8_grouped_mm is not None
+    calls, real = [], quant.fp8_grouped_mm
+    monkeypatch.setattr(quant, "fp8_grouped_mm", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(300, HIDDEN, device=device).bfloat16()
     with torch.no_grad():
         assert rel_err(ours(x), reference(x)) < 0.1
+    assert len(calls) == 2  # w13 and w2
 
 
 def test_dtype_without_grouped_kernel_goes_to_padded_mm(monkeypatch):
