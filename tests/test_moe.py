@@ -20,12 +20,12 @@ from chunklocal.models.moe import MoE, expert_mm, hf_expert_tensor, padded_mm, s
 HIDDEN, INNER = 16, 8
 
 
-def hf_moe(num_experts, top_k, seed, dtype=torch.float32):
+def hf_moe(num_experts, top_k, seed, dtype=torch.float32, hidden=HIDDEN, inner=INNER):
     """transformers' Llama4TextMoe with random weights (its gate_up_proj starts at 0)."""
     from transformers import Llama4TextConfig
     from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
-    config = Llama4TextConfig(hidden_size=HIDDEN, intermediate_size=INNER,
+    config = Llama4TextConfig(hidden_size=hidden, intermediate_size=inner,
                               num_local_experts=num_experts, num_experts_per_tok=top_k)
     gen = torch.Generator().manual_seed(seed)
     hf = Llama4TextMoe(config)
@@ -39,7 +39,8 @@ def ours_from(hf, dtype=torch.float32, **kwargs):
     """Our MoE loaded (strict) from transformers' state dict through hf_expert_tensor."""
     from transformers.activations import ACT2FN
 
-    moe = MoE(hf.num_experts, hf.top_k, HIDDEN, INNER, ACT2FN["silu"], **kwargs)
+    moe = MoE(hf.num_experts, hf.top_k, hf.hidden_dim, hf.experts.expert_dim, ACT2FN["silu"],
+              **kwargs)
     state = dict(hf_expert_tensor(name, t) for name, t in hf.state_dict().items())
     moe.load_state_dict(state, strict=True)
     return moe.to(dtype).eval()
@@ -195,7 +196,7 @@ def test_fp8_experts_dispatch_to_quant(monkeypatch):
     quant.fp8_grouped_mm (branch ckpt) and match the dequantized weights."""
     quant = pytest.importorskip("chunklocal.models.quant")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = hf_moe(16, 2, seed=11)
+    hf = hf_moe(16, 2, seed=11, hidden=128, inner=64)  # fp8 GEMMs want K % 16 == 0
     ours = ours_from(hf, torch.bfloat16).to(device)
     reference = ours_from(hf, torch.bfloat16).to(device)
     ex = ours.experts
@@ -208,7 +209,7 @@ def test_fp8_experts_dispatch_to_quant(monkeypatch):
         getattr(reference.experts, name).data = (fp8.float() * scale[..., None]).bfloat16()
     calls, real = [], quant.fp8_grouped_mm
     monkeypatch.setattr(quant, "fp8_grouped_mm", lambda *a: calls.append(1) or real(*a))
-    x = torch.randn(300, HIDDEN, device=device).bfloat16()
+    x = torch.randn(300, 128, device=device).bfloat16()
     with torch.no_grad():
         assert rel_err(ours(x), reference(x)) < 0.1
     assert len(calls) == 2  # w13 and w2
