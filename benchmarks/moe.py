@@ -11,7 +11,10 @@ same with 128 experts), each with Llama-4's shared expert.  At each token count:
 * ``all_experts``: the bmm over every expert on every token (unchosen experts with
   score 0) that the model ran for steps of at most 64 tokens and under capture;
 * ``gemms_only``: just the two grouped GEMMs on tokens already sorted (what routing,
-  sorting, gathering and scattering add is the difference to ``grouped``).
+  sorting, gathering and scattering add is the difference to ``grouped``);
+* ``triton``: ``grouped`` with models/moe_triton.py's kernel for the routed GEMMs, and
+  ``triton_gemms``: that kernel's two GEMMs alone, the best of ``TRITON_CONFIGS``
+  (reported in ``triton_config``; the layer itself runs the kernel's defaults).
 
 Each runs eagerly and replayed from a CUDA graph (``*_graph_ms``).  The floor of a step
 is the larger of its bytes (the experts actually routed to, the shared expert, the
@@ -36,6 +39,7 @@ from benchmarks.common import (
     measure_matmul_flops,
     write_json,
 )
+from chunklocal.models import moe_triton
 from chunklocal.models.moe import MoE, expert_mm, sort_by_expert
 
 GEOMETRIES = {  # hidden, inner, experts, top-k
@@ -44,7 +48,12 @@ GEOMETRIES = {  # hidden, inner, experts, top-k
 }
 SMOKE_GEOMETRIES = {"scout": (64, 32, 16, 1), "maverick": (64, 32, 128, 2)}
 TOKENS = (1, 16, 64, 256, 1024, 4096)
-VARIANTS = ("grouped", "stacked", "fused", "all_experts", "gemms_only")
+VARIANTS = ("grouped", "stacked", "fused", "all_experts", "gemms_only", "triton",
+            "triton_gemms")
+LAYERS = ("grouped", "stacked", "fused", "triton")
+TRITON_CONFIGS = [  # block_m, block_n, block_k, num_warps, num_stages
+    (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 32, 256, 4, 4),
+    (16, 128, 64, 4, 5), (32, 64, 128, 4, 4), (64, 128, 64, 4, 3)]
 
 
 def make_layers(hidden, inner, num_experts, top_k, device, dtype):
@@ -58,12 +67,14 @@ def make_layers(hidden, inner, num_experts, top_k, device, dtype):
     w2 = randn(num_experts + 1, hidden, inner, fan_in=inner)
     router = randn(num_experts, hidden, fan_in=hidden)
     layers = {}
-    for name in ("grouped", "stacked", "fused"):
+    for name in LAYERS:
         with torch.device("meta"):
             layer = MoE(num_experts, top_k, hidden, inner, torch.nn.SiLU(),
                         fuse_max_tokens=1 << 30 if name == "fused" else 0)
         layer.router.weight = torch.nn.Parameter(router, requires_grad=False)
-        if name == "grouped":
+        if name == "triton":
+            layer.triton_max_pairs = 1 << 30
+        if name in ("grouped", "triton"):
             ex, sh = layer.experts, layer.shared_expert
             ex.w13 = torch.nn.Parameter(w13[:num_experts], requires_grad=False)
             ex.w2 = torch.nn.Parameter(w2[:num_experts], requires_grad=False)
@@ -93,7 +104,7 @@ def all_experts(x, router, w13, w2, top_k):
     return shared + routed.sum(0)
 
 
-def gemms_only(x, router, w13, w2, top_k):
+def gemms_only(x, router, w13, w2, top_k, mm=expert_mm):
     """The two grouped GEMMs alone, on rows sorted (outside the timing) by expert."""
     expert = torch.topk(torch.nn.functional.linear(x, router), top_k, dim=1).indices
     order, offs = sort_by_expert(expert, router.shape[0])
@@ -101,9 +112,34 @@ def gemms_only(x, router, w13, w2, top_k):
     num_experts = router.shape[0]
 
     def run():
-        gate, up = expert_mm(rows, w13[:num_experts], offs).chunk(2, dim=-1)
-        return expert_mm(torch.nn.functional.silu(gate) * up, w2[:num_experts], offs)
+        gate, up = mm(rows, w13[:num_experts], offs).chunk(2, dim=-1)
+        return mm(torch.nn.functional.silu(gate) * up, w2[:num_experts], offs)
     return run
+
+
+def best_triton_gemms(x, router, w13, w2, top_k, args, reference):
+    """The fastest of TRITON_CONFIGS for the two GEMMs (each checked first)."""
+    from chunklocal.models.moe_triton import grouped_mm_small
+
+    best = None
+    for config in TRITON_CONFIGS[: 2 if args.smoke else None]:
+        bm, bn, bk, warps, stages = config
+
+        def mm(a, w, offs, c=(bm, bn, bk, warps, stages)):
+            return grouped_mm_small(a, w, offs, block_m=c[0], block_n=c[1], block_k=c[2],
+                                    num_warps=c[3], num_stages=c[4])
+        fn = gemms_only(x, router, w13, w2, top_k, mm)
+        err = rel_norm(fn(), reference)
+        if not err < 2e-2:
+            raise AssertionError(f"triton config {config}: relative error {err}")
+        ms = args.time_ms(fn)
+        if best is None or ms < best[0]:
+            best = (ms, list(config))
+    return best
+
+
+def rel_norm(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def floor(x, router, top_k, hidden, inner, ceilings):
@@ -144,17 +180,23 @@ def run_case(geometry, shape, tokens, layers, stacks, ceilings, args):
     x = torch.randn(tokens, hidden, device=args.device, dtype=args.dtype, generator=gen)
     row = {"geometry": geometry, "experts": num_experts, "top_k": top_k, "tokens": tokens}
     row.update(floor(x, router, top_k, hidden, inner, ceilings))
-    fns = {name: (lambda m=layers[name]: m(x)) for name in ("grouped", "stacked", "fused")}
+    triton = args.device == "cuda" and moe_triton.available(x)
+    layer_names = [n for n in LAYERS if n != "triton" or triton]
+    fns = {name: (lambda m=layers[name]: m(x)) for name in layer_names}
     fns["all_experts"] = lambda: all_experts(x, router, w13, w2, top_k)
     fns["gemms_only"] = gemms_only(x, router, w13, w2, top_k)
     with torch.no_grad():
         expected = fns["all_experts"]()
-        for name in ("grouped", "stacked", "fused"):
-            err = float((fns[name]().double() - expected.double()).norm() / expected.norm())
-            row[f"{name}_rel_err"] = err
+        for name in layer_names:
+            row[f"{name}_rel_err"] = err = rel_norm(fns[name](), expected)
             if not err < 2e-2:
                 raise AssertionError(f"{geometry} {tokens} tokens: {name} relative error {err}")
+        if triton and "triton_gemms" in args.variants:
+            row["triton_gemms_ms"], row["triton_config"] = best_triton_gemms(
+                x, router, w13, w2, top_k, args, fns["gemms_only"]())
         for name in args.variants:
+            if name not in fns:
+                continue
             row[f"{name}_ms"] = args.time_ms(fns[name])
             if args.device == "cuda" and not args.no_graphs:
                 graph = graph_of(fns[name], args.device)
@@ -164,6 +206,8 @@ def run_case(geometry, shape, tokens, layers, stacks, ceilings, args):
             if "floor_ms" in row:
                 best = row.get(f"{name}_graph_ms", row[f"{name}_ms"])
                 row[f"{name}_floor_share"] = row["floor_ms"] / best
+        if "floor_ms" in row and "triton_gemms_ms" in row:
+            row["triton_gemms_floor_share"] = row["floor_ms"] / row["triton_gemms_ms"]
     return row
 
 

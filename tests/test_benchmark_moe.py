@@ -20,7 +20,9 @@ def test_moe_benchmark_smoke_cpu(tmp_path):
     for row in rows:
         for name in ("grouped", "stacked", "fused"):
             assert row[f"{name}_rel_err"] < 1e-5
-        assert all(row[f"{v}_ms"] > 0 for v in moe.VARIANTS)
+        # the Triton variants run on CUDA only
+        assert all(row[f"{v}_ms"] > 0 for v in moe.VARIANTS if not v.startswith("triton"))
+        assert "triton_ms" not in row
         hidden, inner, experts, top_k = moe.SMOKE_GEOMETRIES[row["geometry"]]
         assert 1 <= row["experts_touched"] <= min(experts, row["tokens"] * top_k)
         # bytes: touched experts + shared expert (3 matrices each), router, x in and out

@@ -20,8 +20,10 @@ from chunklocal.models.moe import MoE, hf_expert_tensor  # noqa: E402
 
 BF16 = torch.bfloat16
 HIDDEN, INNER = 512, 256
-MODES = {"separate": ({}, False), "stacked": ({}, True),
-         "fused": ({"fuse_max_tokens": 10**6}, True)}
+MODES = {  # constructor kwargs, stack the shared expert, Triton kernel for every step
+    "separate": ({}, False, False), "stacked": ({}, True, False),
+    "fused": ({"fuse_max_tokens": 10**6}, True, False),
+    "triton": ({}, False, True), "triton-fused": ({"fuse_max_tokens": 10**6}, True, True)}
 
 
 def make_pair(num_experts, top_k, mode, dtype=BF16, seed=0):
@@ -37,11 +39,14 @@ def make_pair(num_experts, top_k, mode, dtype=BF16, seed=0):
     with torch.no_grad():
         for param in hf.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-2] ** 0.5)
-    kwargs, stack = MODES[mode]
+    kwargs, stack, triton = MODES[mode]
     ours = MoE(num_experts, top_k, HIDDEN, INNER, ACT2FN["silu"], **kwargs)
     ours.load_state_dict(dict(hf_expert_tensor(n, t) for n, t in hf.state_dict().items()))
     if stack:
         assert ours.stack_shared()
+    if triton:
+        pytest.importorskip("triton")
+        ours.triton_max_pairs = 10**6
     return hf.to("cuda", dtype).eval(), ours.to("cuda", dtype).eval()
 
 
@@ -59,8 +64,14 @@ def test_bf16_uses_the_grouped_kernel():
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("num_experts, top_k", [(16, 1), (128, 1), (8, 2), (128, 2)])
 @torch.no_grad()
-def test_grouped_equals_all_experts_eager_and_graph(num_experts, top_k, mode):
+def test_grouped_equals_all_experts_eager_and_graph(num_experts, top_k, mode, monkeypatch):
     hf, ours = make_pair(num_experts, top_k, mode)
+    if MODES[mode][2]:  # the Triton kernel must really run
+        from chunklocal.models import moe_triton
+
+        calls, real = [], moe_triton.grouped_mm_small
+        monkeypatch.setattr(moe_triton, "grouped_mm_small",
+                            lambda *a, **k: calls.append(1) or real(*a, **k))
     gen = torch.Generator(device="cuda").manual_seed(1)
     for tokens in (1, 7, 64, 300, 1024, 4096):
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=BF16, generator=gen)
@@ -90,6 +101,8 @@ def test_grouped_equals_all_experts_eager_and_graph(num_experts, top_k, mode):
         static_x.copy_(x2)
         graph.replay()
         assert rel_norm(static_out, hf(x2)[0]) < 1e-2, f"graph, {tokens} tokens"
+    if MODES[mode][2]:
+        assert calls, "the Triton kernel never ran"
 
 
 @torch.no_grad()

@@ -54,7 +54,7 @@ def sort_by_expert(expert: torch.Tensor, num_groups: int):
 
 
 def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
-              w_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w_scale: torch.Tensor | None = None, small_m: bool = False) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e].T`` (``w [E, N, K]``) -> [M, N].
 
     float8 weights with per-output-channel ``w_scale [E, N]`` go to
@@ -62,7 +62,8 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
     grouped kernel for the device and dtype (CUDA bf16 on sm90/sm100; the CPU's float32,
     bf16 and float16).  Otherwise, eagerly, torch's own per-group fallback (it reads
     ``offs`` on the host), and under CUDA-graph capture or where torch has none (float64)
-    :func:`padded_mm`.
+    :func:`padded_mm`.  ``small_m`` (few rows per expert, float weights, where
+    ``moe_triton.available``): the Triton kernel of ``moe_triton`` instead.
     """
     if w.dtype in FP8_DTYPES:
         if w_scale is None:
@@ -72,6 +73,11 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
         return fp8_grouped_mm(x, w, w_scale, offs)
     if w_scale is not None:
         raise ValueError(f"a weight scale was given for {w.dtype} expert weights")
+    if small_m:
+        from chunklocal.models import moe_triton
+
+        if moe_triton.available(x):
+            return moe_triton.grouped_mm_small(x, w, offs)
     if _native_grouped_mm(x.device, x.dtype) or (
             not _capturing(x) and _torch_grouped_mm_runs(x.device.type, x.dtype)):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
@@ -167,6 +173,9 @@ class MoE(nn.Module):
         self.shared_expert = SharedExpert(hidden, inner, act)
         self.stacked = False            # shared expert is slot E of the stacks
         self.fuse_max_tokens = fuse_max_tokens
+        # Steps of at most this many (token, expert) pairs use moe_triton's kernel where it
+        # runs; 0 = never (the default until the benchmark shows where it pays).
+        self.triton_max_pairs = 0
 
     @classmethod
     def from_config(cls, config, act: nn.Module, **kwargs) -> MoE:
@@ -201,8 +210,9 @@ class MoE(nn.Module):
         token = order // slots if slots > 1 else order
         rows = x[token] * score.reshape(-1, 1)[order]  # Llama-4 scales the input
         w13, w2 = ex.w13[:num_groups], ex.w2[:num_groups]
-        gate, up = expert_mm(rows, w13, offs, ex.w13_scale).chunk(2, dim=-1)
-        rows = expert_mm(self.act(gate) * up, w2, offs, ex.w2_scale)
+        small = rows.shape[0] <= self.triton_max_pairs
+        gate, up = expert_mm(rows, w13, offs, ex.w13_scale, small).chunk(2, dim=-1)
+        rows = expert_mm(self.act(gate) * up, w2, offs, ex.w2_scale, small)
         per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
         routed = per_slot.view(tokens, slots, hidden).sum(1) if slots > 1 else per_slot
         if fused:
