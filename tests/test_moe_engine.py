@@ -15,6 +15,7 @@ import torch
 from llama4_tiny import hf_greedy, hf_logits, rel_err, write_tiny_llama4
 
 import chunklocal
+from chunklocal.models import moe
 from chunklocal.models.moe import MoE
 
 LENGTHS = [300, 170, 430, 90]
@@ -50,16 +51,20 @@ def moe_layers(llm):
 
 
 @pytest.mark.parametrize("mode", ["separate", "stacked", "fused"])
-def test_greedy_tokens_equal_transformers(moe_ckpt, mode):
+def test_greedy_tokens_equal_transformers(moe_ckpt, mode, monkeypatch):
+    """``mode``: the shared expert as transformers holds it, or stacked into slot E at
+    load (moe.STACK_SHARED) and run dense, or as group E of the grouped GEMMs."""
     path, hf = moe_ckpt
+    if mode != "separate":
+        monkeypatch.setattr(moe, "STACK_SHARED", True)
+        monkeypatch.setattr(moe, "FUSE_MAX_TOKENS", 10**6 if mode == "fused" else 0)
     llm = chunklocal.LLM(path, **ENGINE)
     layers = moe_layers(llm)
     assert len(layers) == len(hf.config.moe_layers) > 0
     for layer in layers:
         assert layer.top_k == hf.config.num_experts_per_tok
-        if mode != "separate":
-            assert layer.stack_shared()
-            layer.fuse_max_tokens = 10**6 if mode == "fused" else 0
+        assert layer.stacked == (mode != "separate")
+        assert (layer.shared_expert is None) == layer.stacked
     prompts = prompts_of(LENGTHS, seed=8)
     outputs = llm.generate(prompts, max_new_tokens=20)
     assert max(llm.runner.tokens_per_step) >= 400  # prefill steps of hundreds of tokens

@@ -31,6 +31,7 @@ from chunklocal.models.llama4_config import (  # noqa: F401  (re-exported)
     supported_rope_type,
 )
 from chunklocal.models.moe import MoE, hf_expert_tensor
+from chunklocal.models.moe import configure as configure_moe
 
 
 @dataclass
@@ -217,5 +218,6 @@ def load_llama4(model_dir, device="cpu", dtype=None) -> Llama4ForCausalLM:
         model = Llama4ForCausalLM(config)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval()
+    configure_moe(model)
     model.init_rope(device)
     return model

@@ -31,6 +31,12 @@ from torch import nn
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
+# How loaded models run their MoE layers (see :func:`configure`); set from
+# benchmarks/moe.py's H200 measurements, off until those exist.
+STACK_SHARED = False    # shared expert into slot E of the stacks (float weights)
+FUSE_MAX_TOKENS = 0     # steps up to this many tokens run it as group E
+TRITON_MAX_PAIRS = 0    # steps up to this many (token, expert) pairs use moe_triton
+
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int):
     """(expert ids [T, top_k] int64, scores [T, top_k] in x.dtype), as Llama4Router."""
@@ -130,6 +136,20 @@ def hf_expert_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor
         if name.endswith(hf) and tensor.dim() == 3:
             return name[: -len(hf)] + ours, tensor.transpose(1, 2).contiguous()
     return name, tensor
+
+
+def configure(model: nn.Module, stack_shared: bool | None = None,
+              fuse_max_tokens: int | None = None, triton_max_pairs: int | None = None) -> int:
+    """Apply the module defaults above (or the given values) to every MoE layer of a
+    loaded model; returns how many layers there are."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        if STACK_SHARED if stack_shared is None else stack_shared:
+            layer.stack_shared()
+        layer.fuse_max_tokens = FUSE_MAX_TOKENS if fuse_max_tokens is None else fuse_max_tokens
+        layer.triton_max_pairs = (TRITON_MAX_PAIRS if triton_max_pairs is None
+                                  else triton_max_pairs)
+    return len(layers)
 
 
 class Experts(nn.Module):
