@@ -19,6 +19,8 @@ layout (``gate_up_proj [E, hidden, 2 * inner]``, ``down_proj [E, inner, hidden]`
 After :meth:`MoE.stack_shared` the shared expert is slot ``E`` of the same stacks, so
 steps of at most ``fuse_max_tokens`` run it as one more group in the same two GEMMs
 (every token routed to it with score 1) and longer steps as dense GEMMs on the slot.
+Steps of at most ``triton_max_pairs`` pairs run the routed GEMMs through
+``moe_triton``'s kernel instead (decode sizes; off by default).
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ def _native_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _torch_grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether this torch's ``_grouped_mm`` takes ``dtype`` on ``device_type`` (probed once,
-    outside capture: the engine runs every layer eagerly before it captures)."""
+    """Whether this torch's ``_grouped_mm`` takes ``dtype`` on ``device_type``: probed once,
+    and never under capture (:func:`expert_mm` asks only when not capturing)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
