@@ -167,6 +167,7 @@ def graph_of(fn, device):
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.empty_cache()  # the graph's private pool must not sit beside eager leftovers
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
