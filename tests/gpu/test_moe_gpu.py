@@ -38,7 +38,8 @@ def make_pair(num_experts, top_k, mode, dtype=BF16, seed=0):
     hf = Llama4TextMoe(config)
     with torch.no_grad():
         for param in hf.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-2] ** 0.5)
+            fan_in = param.shape[-2] if param.dim() == 3 else param.shape[-1]
+            param.copy_(torch.randn(param.shape, generator=gen) / fan_in ** 0.5)
     kwargs, stack, triton = MODES[mode]
     ours = MoE(num_experts, top_k, HIDDEN, INNER, ACT2FN["silu"], **kwargs)
     ours.load_state_dict(dict(hf_expert_tensor(n, t) for n, t in hf.state_dict().items()))
