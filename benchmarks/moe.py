@@ -262,6 +262,8 @@ def main(argv=None) -> int:
         print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
               f"bf16 matmul {ceilings['matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     name = "moe_smoke" if args.smoke else "moe"
+    if sorted(args.geometry) != sorted(GEOMETRIES):  # a split run must not overwrite another
+        name += "_" + "_".join(args.geometry)
 
     def save():
         return write_json(name, {"ceilings": ceilings, "rows": rows, "errors": errors,
