@@ -11,21 +11,16 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from chunklocal import bounds
 from chunklocal._validate import as_int, cdiv, check_chunk_geometry
+from chunklocal.backends.base import EngineLimits, Kind
+from chunklocal.bounds.closed_forms import max_virtual_batches
 from chunklocal.engine.block_manager import BlockManager, KVGroup
 from chunklocal.engine.model_runner import ModelRunner
 from chunklocal.engine.requests import check_prompts, check_temperature, load_tokenizer, torch_dtype
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.sequence import SamplingParams, Sequence
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
-from chunklocal.models.llama4_config import (
-    CHUNKED,
-    GLOBAL,
-    generation_eos,
-    layer_kind,
-    read_config,
-)
+from chunklocal.models.llama4_config import generation_eos, layer_kind, read_config
 from chunklocal.models.loader import LOAD_FORMATS, load_model, plan_load
 
 _CPU_KV_BYTES = 2 << 30  # default KV budget on the CPU when num_kv_blocks is None
@@ -144,7 +139,7 @@ class LLM:
         self.model = load_model(plan, self.device, kv_dtype, seed)
         self.groups = groups
         self.max_virtual_batches = (
-            bounds.max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
+            max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
                                        self.max_model_len) if chunk else self.max_num_seqs)
         backends = [self._backend(backend_name, grp, kv_dtype) for grp in groups]
         self.block_manager = BlockManager(groups, self.max_num_seqs,
@@ -165,7 +160,7 @@ class LLM:
     def _spec(self, kind, kv_dtype):
         c = self.config
         geometry = (self.block_size, c.num_key_value_heads, c.head_dim, kv_dtype)
-        if kind == CHUNKED:
+        if kind is Kind.CHUNKED:
             return ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=c.attention_chunk_size)
         return FullAttentionSpec(*geometry)
 
@@ -196,19 +191,19 @@ class LLM:
         local_need = min(cdiv(chunk - 1 + self.max_num_batched_tokens, self.block_size),
                          whole_seq) if chunk else whole_seq
         if hybrid or len(specs) == 1:
-            names = sorted(specs)
+            names = [kind for kind in Kind if kind in specs]
             groups = []
             for kind in names:
                 need = local_need if specs[kind].attention_chunk_size else whole_seq
                 size = num_kv_blocks
                 if specs[kind].attention_chunk_size:
                     size = min(num_kv_blocks, self.max_num_seqs * need)
-                groups.append((kind, specs[kind], size, need))
+                groups.append((kind.value, specs[kind], size, need))
             kind_to_group = {kind: i for i, kind in enumerate(names)}
         else:
-            merged = merge([specs[CHUNKED], specs[GLOBAL]])
+            merged = merge([specs[Kind.CHUNKED], specs[Kind.GLOBAL]])
             groups = [("merged", merged, num_kv_blocks, whole_seq)]
-            kind_to_group = {CHUNKED: 0, GLOBAL: 0}
+            kind_to_group = {Kind.CHUNKED: 0, Kind.GLOBAL: 0}
         for name, _, size, need in groups:
             if size < need:
                 raise ValueError(
@@ -225,7 +220,6 @@ class LLM:
             # Plans live where q and the caches do; Hq sizes the memory-bounded groups.
             return TorchRefBackend(group.spec, num_q_heads=self.config.num_attention_heads,
                                    device=self.device)
-        from chunklocal.backends.base import EngineLimits
         from chunklocal.backends.flashinfer import FlashInferBackend
 
         c = self.config
@@ -235,7 +229,7 @@ class LLM:
         return FlashInferBackend(
             group.spec, limits, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
             kv_dtype, self.device, self.cuda_graphs, verify_len=verify_len,
-            scratch_page=group.num_blocks, sm_scale=c.head_dim ** -0.5)
+            scratch_page=group.scratch_page, sm_scale=c.head_dim ** -0.5)
 
     # -- requests -----------------------------------------------------------------------------
     @property

@@ -231,7 +231,7 @@ def check_routes(tensors: dict[str, Tensor], model: nn.Module, tied: bool, displ
     """(Tensor, Route) for every tensor, or ValueError for the first unexpected, mis-shaped,
     wrongly typed, duplicated or missing one.  Reads no tensor data.  ``display`` spells a
     text-model name as the checkpoint does (for messages)."""
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     routes, seen, per_expert = [], {}, set()
     for canon, tensor in tensors.items():
         r = route(canon, params)

@@ -2,45 +2,31 @@
 
 Layers see ``[tokens, hidden]`` with one absolute position per token; requests
 are told apart only by the attention metadata.  RoPE layers attend chunk-locally
-(the ``chunked`` attention kind), NoPE layers globally (``global``); each kind
-gets one backend metadata object per step (see :class:`AttentionStep`).
+(``Kind.CHUNKED``), NoPE layers globally (``Kind.GLOBAL``); each kind gets one
+backend metadata object per step (:class:`chunklocal.backends.base.AttentionStep`).
 
 Numerics follow transformers' ``Llama4ForCausalLM``: RoPE as a complex product
 over interleaved pairs ``(x[2i], x[2i+1])`` in float32, L2 qk-norm after RoPE on
 RoPE layers only, temperature tuning of the queries on NoPE layers, a top-k
-router whose sigmoid scores scale the expert *inputs*, a shared expert, and the
-dense MLP width ``intermediate_size_mlp`` on non-MoE layers.
+router whose sigmoid scores scale the expert *inputs*, a shared expert (both in
+models/moe.py), and the dense MLP width ``intermediate_size_mlp`` on non-MoE layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from torch import nn
 
-from chunklocal.models.llama4_config import (  # noqa: F401  (re-exported)
-    CHUNKED,
-    GLOBAL,
+from chunklocal.backends.base import AttentionStep, Kind
+from chunklocal.models.llama4_config import (  # noqa: F401  (load_text_config: re-exported)
     activation,
     layer_kind,
     load_text_config,
-    require_hf,
     rope_parameters,
     supported_rope_type,
 )
-from chunklocal.models.quant import FP8, NO_FP8, Fp8Plan, fp8_grouped_mm, fp8_linear
-
-
-@dataclass
-class AttentionStep:
-    """What every layer of one attention kind needs for one step."""
-
-    backend: Any            # forward(metadata, q, k_cache, v_cache, scale, chunked=...)
-    metadata: Any           # built once per step and KV group by backend.build()
-    slot_mapping: torch.Tensor  # [tokens] int64: flat cache row of each token's K/V
-    chunked: bool           # which layer kind of the group's metadata to use
+from chunklocal.models.moe import MoE
+from chunklocal.models.quant import FP8, NO_FP8, Fp8Linear, Fp8Plan
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,91 +55,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Experts(nn.Module):
-    """Routed experts as (N, K) matrices: ``w13 [E, 2*inner, hidden]`` (gate rows, then up
-    rows) and ``w2 [E, hidden, inner]``.  FP8: float8_e4m3fn with float32 per-output-channel
-    scales ``w13_scale [E, 2*inner]`` and ``w2_scale [E, hidden]``."""
-
-    def __init__(self, num_experts: int, hidden: int, inner: int, act: nn.Module,
-                 fp8: bool = False, act_scale_ub: float | None = None):
-        super().__init__()
-        self.act, self.fp8, self.act_scale_ub = act, fp8, act_scale_ub
-        dtype = FP8 if fp8 else None
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden, dtype=dtype),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner, dtype=dtype),
-                               requires_grad=False)
-        if fp8:
-            self.w13_scale = nn.Parameter(torch.empty(num_experts, 2 * inner), requires_grad=False)
-            self.w2_scale = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-
-    def run(self, expert, x):
-        if self.fp8:
-            gate, up = fp8_linear(x, self.w13[expert], self.w13_scale[expert],
-                                  act_scale_ub=self.act_scale_ub).chunk(2, dim=-1)
-            return fp8_linear(self.act(gate) * up, self.w2[expert], self.w2_scale[expert],
-                              act_scale_ub=self.act_scale_ub)
-        gate, up = (x @ self.w13[expert].t()).chunk(2, dim=-1)
-        return (self.act(gate) * up) @ self.w2[expert].t()
-
-    def run_all(self, x_per_expert):
-        """x_per_expert [E, T, H] -> [E, T, H]; shape-static (CUDA-graph safe)."""
-        if self.fp8:
-            num_experts, tokens, hidden = x_per_expert.shape
-            offs = torch.arange(1, num_experts + 1, device=x_per_expert.device,
-                                dtype=torch.int32) * tokens
-            flat = x_per_expert.reshape(-1, hidden)
-            gate, up = fp8_grouped_mm(flat, self.w13, self.w13_scale, offs,
-                                      act_scale_ub=self.act_scale_ub).chunk(2, dim=-1)
-            out = fp8_grouped_mm(self.act(gate) * up, self.w2, self.w2_scale, offs,
-                                 act_scale_ub=self.act_scale_ub)
-            return out.view(num_experts, tokens, hidden)
-        gate, up = torch.bmm(x_per_expert, self.w13.transpose(1, 2)).chunk(2, dim=-1)
-        return torch.bmm(self.act(gate) * up, self.w2.transpose(1, 2))
-
-
-class MoE(nn.Module):
-    #: Up to this many tokens every expert runs on every token (scores of the
-    #: unchosen experts are 0, so their inputs and outputs are exactly 0): no
-    #: data-dependent shapes, so decode steps can be captured in a CUDA graph.
-    DENSE_MAX_TOKENS = 64
-
-    def __init__(self, config, fp8: Fp8Plan = NO_FP8, prefix: str = "feed_forward"):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_local_experts
-        act = activation(config)
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.experts = Experts(self.num_experts, hidden, inner, act,
-                               f"{prefix}.experts" in fp8.modules, fp8.act_scale_ub)
-        self.router = fp8.linear(f"{prefix}.router", hidden, self.num_experts)
-        self.shared_expert = GatedMLP(hidden, inner, act, fp8, f"{prefix}.shared_expert")
-
-    def forward(self, x):
-        logits = self.router(x)
-        top_logit, top_index = torch.topk(logits, self.top_k, dim=1)
-        top_score = torch.sigmoid(top_logit.float()).to(x.dtype)
-        out = self.shared_expert(x)
-        if x.shape[0] <= self.DENSE_MAX_TOKENS or (
-                x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            scores = torch.zeros_like(logits).scatter_(1, top_index, top_score)
-            routed = self.experts.run_all(scores.t().unsqueeze(-1) * x.unsqueeze(0))
-            return out + routed.sum(0)
-        # Long batches: each expert runs only on its own tokens.  One stable sort
-        # groups the (token, expert) pairs by expert; one .tolist() of the counts
-        # is the layer's only host sync (not one per expert).
-        flat_expert = top_index.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        rows_sorted = torch.div(order, self.top_k, rounding_mode="floor")
-        scores_sorted = top_score.reshape(-1, 1)[order]
-        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
-        pieces = zip(rows_sorted.split(counts), scores_sorted.split(counts), strict=True)
-        for expert, (rows, scores) in enumerate(pieces):
-            if counts[expert]:
-                out.index_add_(0, rows, self.experts.run(expert, x[rows] * scores))
-        return out
 
 
 class Attention(nn.Module):
@@ -198,7 +99,7 @@ class Attention(nn.Module):
         flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
         out = step.backend.forward(step.metadata, q, self.k_cache, self.v_cache, self.scale,
-                                   chunked=step.chunked)
+                                   kind=step.kind)
         return self.o_proj(out.reshape(t, -1).to(x.dtype))
 
 
@@ -207,13 +108,35 @@ def _rotate(x, freqs_cis):
     return torch.view_as_real(pairs * freqs_cis[:, None, :]).flatten(-2).type_as(x)
 
 
+def fp8_moe(moe: MoE, fp8: Fp8Plan, prefix: str) -> MoE:
+    """Make the parts of a MoE layer that ``fp8`` names FP8: the routed experts (float8
+    ``w13``/``w2`` with float32 per-output-channel scale buffers ``[E, N]``, as
+    models/moe.py takes them), the shared expert's and the router's Linear layers."""
+    ex = moe.experts
+    if f"{prefix}.experts" in fp8.modules:
+        for name in ("w13", "w2"):
+            shape = getattr(ex, name).shape
+            setattr(ex, name, nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False))
+            setattr(ex, name + "_scale", torch.empty(shape[:2], dtype=torch.float32))
+        ex.act_scale_ub = fp8.act_scale_ub
+    for owner, names in ((moe.shared_expert, ("gate_proj", "up_proj", "down_proj")),
+                         (moe, ("router",))):
+        for name in names:
+            if f"{prefix}.{'shared_expert.' if owner is not moe else ''}{name}" in fp8.modules:
+                old = getattr(owner, name)
+                setattr(owner, name, Fp8Linear(old.in_features, old.out_features, False,
+                                               fp8.act_scale_ub))
+    return moe
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.self_attn = Attention(config, layer_idx, fp8, f"{prefix}.self_attn")
         if layer_idx in config.moe_layers:
-            self.feed_forward = MoE(config, fp8, f"{prefix}.feed_forward")
+            self.feed_forward = fp8_moe(MoE.from_config(config, activation(config)), fp8,
+                                        f"{prefix}.feed_forward")
         else:
             self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size_mlp,
                                          activation(config), fp8, f"{prefix}.feed_forward")
@@ -237,8 +160,9 @@ class TextModel(nn.Module):
 
 class Llama4ForCausalLM(nn.Module):
     """Module names follow the text checkpoint's (``model.layers.N...``, ``lm_head``); the
-    routed experts hold (N, K) matrices (``w13``/``w2``, see :class:`Experts`) that the
-    loader (models/loader.py) assembles from either published expert layout."""
+    routed experts hold (N, K) stacks (``w13``/``w2``, models/moe.py) that models/loader.py
+    assembles from either published expert layout.  ``fp8`` names the modules whose
+    weights are FP8 (models/quant.py)."""
 
     def __init__(self, config, fp8: Fp8Plan = NO_FP8):
         super().__init__()
@@ -266,7 +190,7 @@ class Llama4ForCausalLM(nn.Module):
             inv_freq, self._rope_scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, device)
             self._inv_freq = inv_freq.float().to(device)
 
-    def forward(self, input_ids, positions, steps: dict[str, AttentionStep]):
+    def forward(self, input_ids, positions, steps: dict[Kind, AttentionStep]):
         """input_ids, positions: [tokens]; returns final-normed hidden states [tokens, H]."""
         angles = positions.float()[:, None] * self._inv_freq[None, :]
         freqs_cis = torch.polar(torch.ones_like(angles), angles) * self._rope_scaling

@@ -29,6 +29,7 @@ from chunklocal.models.checkpoint import (
 )
 from chunklocal.models.llama4 import Llama4ForCausalLM
 from chunklocal.models.llama4_config import CheckpointConfig, read_config
+from chunklocal.models.moe import configure as configure_moe
 from chunklocal.models.quant import FP8, Fp8Plan
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -49,7 +50,12 @@ class LoadPlan:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return sum(p.numel() * (1 if p.dtype == FP8 else 4 if name.endswith("_scale")
                                 else itemsize)
-                   for name, p in self.model.named_parameters())
+                   for name, p in weights(self.model).items())
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight a checkpoint fills: parameters and the experts' FP8 scale buffers."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
 def _display(tensors) -> callable:
@@ -83,16 +89,19 @@ def _materialize(model: nn.Module, device, dtype) -> None:
     """Empty parameters on ``device``: FP8 weights stay FP8, scales float32, the rest
     ``dtype``."""
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
+        for store in (module._parameters, module._buffers):
+            for name, p in list(store.items()):
+                if p is None:
+                    continue
                 dt = FP8 if p.dtype == FP8 else torch.float32 if name.endswith("_scale") \
                     else dtype
-                module._parameters[name] = nn.Parameter(
-                    torch.empty(p.shape, dtype=dt, device=device), requires_grad=False)
+                t = torch.empty(p.shape, dtype=dt, device=device)
+                store[name] = nn.Parameter(t, requires_grad=False) if store is \
+                    module._parameters else t
 
 
 def _fill_from_files(model: nn.Module, routes) -> None:
-    params = dict(model.named_parameters())
+    params = weights(model)
     by_file: dict[Path, list] = {}
     for tensor, r in routes:
         by_file.setdefault(tensor.file, []).append((tensor, r))
@@ -113,7 +122,7 @@ def _fill_dummy(model: nn.Module, seed: int, device) -> None:
     +-1/sqrt(fan_in) (FP8: e4m3 values in +-448 with scales giving the same range),
     embeddings uniform in +-1."""
     gen = torch.Generator(device=device).manual_seed(int(seed))
-    for name, p in model.named_parameters():
+    for name, p in weights(model).items():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith("_scale"):  # X.weight_scale / X.w13_scale scale X.weight / X.w13
@@ -143,6 +152,7 @@ def load_model(plan: LoadPlan, device="cpu", dtype=torch.float32, seed: int = 0)
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     model.init_rope(device)
+    configure_moe(model)
     return model
 
 
