@@ -83,7 +83,7 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
         # act_scale_ub: fbgemm_fp8's cap on a token's activation amax (models/quant.py)
         if act_scale_ub is None:
             return fp8_grouped_mm(x, w, w_scale, offs)
-        return fp8_grouped_mm(x, w, w_scale, offs)
+        return fp8_grouped_mm(x, w, w_scale, offs, act_scale_ub=act_scale_ub)
     if w_scale is not None:
         raise ValueError(f"a weight scale was given for {w.dtype} expert weights")
     if small_m:
