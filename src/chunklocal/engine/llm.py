@@ -20,7 +20,8 @@ from chunklocal.engine.requests import check_prompts, check_temperature, load_to
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.sequence import SamplingParams, Sequence
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
-from chunklocal.models.llama4 import load_llama4, load_text_config
+from chunklocal.models.llama4_config import generation_eos, layer_kind, read_config
+from chunklocal.models.loader import LOAD_FORMATS, load_model, plan_load
 
 _CPU_KV_BYTES = 2 << 30  # default KV budget on the CPU when num_kv_blocks is None
 
@@ -62,20 +63,29 @@ class LLM:
     group that keeps every page.  ``cuda_graphs``: replay decode and verify steps
     as CUDA graphs (FlashInfer only).  ``num_speculative_tokens``: prompt-lookup
     draft length k, verified in one step; greedy output equals k = 0.
-    ``seed``: sampling seed for temperature > 0.
+    ``seed``: sampling seed for temperature > 0, and the seed of ``load_format="dummy"``
+    weights.  ``load_format``: "auto"/"safetensors" read the checkpoint (index-following,
+    FP8 kept FP8: see models/loader.py); "dummy" makes random weights of its config's
+    shapes and dtypes on the device, reading only config.json.
+
+    Everything is checked before any weight loads: config.json (and
+    generation_config.json, whose EOS ids stop generation too), the tensors' names,
+    shapes and dtypes, and whether the KV pool holds one request of max_model_len.
     """
 
     def __init__(self, model, *, device="cpu", dtype=None, max_num_seqs=256,
                  max_num_batched_tokens=8192, max_model_len=None, block_size=16,
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
-                 hybrid_kv_cache=True, num_speculative_tokens=0, seed=0):
+                 hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto"):
         self.model_dir = Path(model)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model must be a checkpoint directory with config.json and "
                              f"*.safetensors; {str(model)!r} has no config.json")
         dtype = torch_dtype(dtype)
-        config = load_text_config(self.model_dir)
-        self.config = config
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        ckpt = read_config(self.model_dir)
+        config = self.config = ckpt.text
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
         elif as_int(max_model_len, "max_model_len") > config.max_position_embeddings:
@@ -112,17 +122,21 @@ class LLM:
             raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got {device}")
         if dtype is None and backend_name == "flashinfer":
             # FlashInfer kernels run in 16-bit; keep a 16-bit checkpoint dtype, else bf16.
-            config_dtype = getattr(config, "dtype", None)
-            config_dtype = getattr(torch, config_dtype, None) if isinstance(
-                config_dtype, str) else config_dtype
-            dtype = config_dtype if config_dtype in (torch.float16, torch.bfloat16) \
+            dtype = ckpt.dtype if ckpt.dtype in (torch.float16, torch.bfloat16) \
                 else torch.bfloat16
+        kv_dtype = dtype or ckpt.dtype or torch.float32
         self.cuda_graphs = self.cuda_graphs and backend_name == "flashinfer"
-        self.model = load_llama4(self.model_dir, self.device, dtype)
-        kv_dtype = next(self.model.parameters()).dtype
-        kinds = {layer.self_attn.kind for layer in self.model.layers}
-        specs = {kind: self._spec(kind, kv_dtype) for kind in kinds}
-        groups, kind_to_group = self._make_groups(specs, hybrid_kv_cache, num_kv_blocks)
+        eos = set(ckpt.eos_token_ids)
+        if load_format != "dummy":  # dummy weights: nothing but config.json is read
+            eos.update(generation_eos(self.model_dir))
+        self.eos_ids = frozenset(eos)
+        self.image_token_index = ckpt.image_token_index
+        plan = plan_load(self.model_dir, ckpt, load_format)  # headers only, all checked
+        self.layer_kinds = [layer_kind(config, i) for i in range(config.num_hidden_layers)]
+        specs = {kind: self._spec(kind, kv_dtype) for kind in set(self.layer_kinds)}
+        groups, kind_to_group = self._make_groups(specs, hybrid_kv_cache, num_kv_blocks,
+                                                  plan.weight_bytes(kv_dtype))
+        self.model = load_model(plan, self.device, kv_dtype, seed)
         self.groups = groups
         self.max_virtual_batches = (
             max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
@@ -138,8 +152,6 @@ class LLM:
         if self.cuda_graphs:
             self.runner.enable_cuda_graphs(backends[0].graph_batch_sizes,
                                            backends[0].graph_query_lens)
-        eos = config.eos_token_id
-        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._tokenizer = None
         self._next_id = 0
         self.last_stats: GenerateStats | None = None
@@ -152,21 +164,27 @@ class LLM:
             return ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=c.attention_chunk_size)
         return FullAttentionSpec(*geometry)
 
-    def _make_groups(self, specs, hybrid, num_kv_blocks):
-        layers_of = {kind: sum(layer.self_attn.kind == kind for layer in self.model.layers)
-                     for kind in specs}
+    def _make_groups(self, specs, hybrid, num_kv_blocks, weight_bytes=0):
+        """KV groups sized before the weights load: a pool that cannot hold one request
+        of max_model_len is refused with a max_model_len that fits."""
+        layers_of = {kind: self.layer_kinds.count(kind) for kind in specs}
         whole_seq = cdiv(self.max_model_len, self.block_size)
         if num_kv_blocks is None:
             per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
             budget = _CPU_KV_BYTES
             if self.device.type == "cuda":
-                budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.4)
+                free = torch.cuda.mem_get_info(self.device)[0]
+                if weight_bytes > free:
+                    raise ValueError(f"the weights need {weight_bytes / 2**30:.1f} GiB, "
+                                     f"{free / 2**30:.1f} GiB is free on {self.device}")
+                budget = int((free - weight_bytes) * 0.4)
             if whole_seq * per_block > budget:
+                fits = budget // per_block * self.block_size
                 raise ValueError(
                     f"one request of max_model_len {self.max_model_len} needs "
                     f"{whole_seq * per_block / 2**30:.1f} GiB of KV cache, more than the "
-                    f"default budget of {budget / 2**30:.1f} GiB: pass a smaller max_model_len "
-                    "or an explicit num_kv_blocks")
+                    f"default budget of {budget / 2**30:.1f} GiB: pass max_model_len <= "
+                    f"{fits} or an explicit num_kv_blocks")
             num_kv_blocks = min(self.max_num_seqs * whole_seq, budget // per_block)
         num_kv_blocks = int(num_kv_blocks)
         chunk = self.config.attention_chunk_size
@@ -190,7 +208,8 @@ class LLM:
             if size < need:
                 raise ValueError(
                     f"num_kv_blocks={size} for the {name} KV group cannot hold one request: "
-                    f"max_model_len {self.max_model_len} needs {need} blocks of {self.block_size}")
+                    f"max_model_len {self.max_model_len} needs {need} blocks of "
+                    f"{self.block_size}; max_model_len <= {size * self.block_size} fits")
         self.group_names = [name for name, *_ in groups]
         return [KVGroup(spec, size) for _, spec, size, _ in groups], kind_to_group
 
@@ -223,7 +242,7 @@ class LLM:
     def _check_prompts(self, prompts, max_new_tokens, room_for_new_tokens=True):
         return check_prompts(prompts, max_new_tokens, lambda: self.tokenizer,
                              self.config.vocab_size, self.max_model_len,
-                             room_for_new_tokens)
+                             room_for_new_tokens, self.image_token_index)
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  ignore_eos: bool = False, use_tqdm: bool | None = None):

@@ -14,20 +14,19 @@ models/moe.py), and the dense MLP width ``intermediate_size_mlp`` on non-MoE lay
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from chunklocal.backends.base import AttentionStep, Kind
-from chunklocal.models.llama4_config import (
+from chunklocal.models.llama4_config import (  # noqa: F401  (load_text_config: re-exported)
     activation,
     layer_kind,
     load_text_config,
+    rope_parameters,
     supported_rope_type,
 )
-from chunklocal.models.moe import MoE, hf_expert_tensor
-from chunklocal.models.moe import configure as configure_moe
+from chunklocal.models.moe import MoE
+from chunklocal.models.quant import FP8, NO_FP8, Fp8Linear, Fp8Plan
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,19 +45,20 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, inner: int, act: nn.Module):
+    def __init__(self, hidden: int, inner: int, act: nn.Module, fp8: Fp8Plan = NO_FP8,
+                 prefix: str = ""):
         super().__init__()
         self.act = act
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = fp8.linear(f"{prefix}.gate_proj", hidden, inner)
+        self.up_proj = fp8.linear(f"{prefix}.up_proj", hidden, inner)
+        self.down_proj = fp8.linear(f"{prefix}.down_proj", inner, hidden)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8, prefix: str = "self_attn"):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -72,10 +72,10 @@ class Attention(nn.Module):
             self.temperature = (float(config.floor_scale), float(config.attn_scale))
         bias = config.attention_bias
         hidden, hd = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(hidden, self.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, hidden, bias=bias)
+        self.q_proj = fp8.linear(f"{prefix}.q_proj", hidden, self.num_heads * hd, bias)
+        self.k_proj = fp8.linear(f"{prefix}.k_proj", hidden, self.num_kv_heads * hd, bias)
+        self.v_proj = fp8.linear(f"{prefix}.v_proj", hidden, self.num_kv_heads * hd, bias)
+        self.o_proj = fp8.linear(f"{prefix}.o_proj", self.num_heads * hd, hidden, bias)
         # Paged caches [num_blocks, block_size, Hkv, D], bound by the model runner.
         self.k_cache = self.v_cache = None
 
@@ -108,15 +108,38 @@ def _rotate(x, freqs_cis):
     return torch.view_as_real(pairs * freqs_cis[:, None, :]).flatten(-2).type_as(x)
 
 
+def fp8_moe(moe: MoE, fp8: Fp8Plan, prefix: str) -> MoE:
+    """Make the parts of a MoE layer that ``fp8`` names FP8: the routed experts (float8
+    ``w13``/``w2`` with float32 per-output-channel scale buffers ``[E, N]``, as
+    models/moe.py takes them), the shared expert's and the router's Linear layers."""
+    ex = moe.experts
+    if f"{prefix}.experts" in fp8.modules:
+        for name in ("w13", "w2"):
+            shape = getattr(ex, name).shape
+            setattr(ex, name, nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False))
+            setattr(ex, name + "_scale", torch.empty(shape[:2], dtype=torch.float32))
+        ex.act_scale_ub = fp8.act_scale_ub
+    for owner, names in ((moe.shared_expert, ("gate_proj", "up_proj", "down_proj")),
+                         (moe, ("router",))):
+        for name in names:
+            if f"{prefix}.{'shared_expert.' if owner is not moe else ''}{name}" in fp8.modules:
+                old = getattr(owner, name)
+                setattr(owner, name, Fp8Linear(old.in_features, old.out_features, False,
+                                               fp8.act_scale_ub))
+    return moe
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = Attention(config, layer_idx, fp8, f"{prefix}.self_attn")
         if layer_idx in config.moe_layers:
-            self.feed_forward = MoE.from_config(config, activation(config))
+            self.feed_forward = fp8_moe(MoE.from_config(config, activation(config)), fp8,
+                                        f"{prefix}.feed_forward")
         else:
             self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size_mlp,
-                                         activation(config))
+                                         activation(config), fp8, f"{prefix}.feed_forward")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,22 +150,25 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, fp8: Fp8Plan = NO_FP8):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, i, fp8) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Llama4ForCausalLM(nn.Module):
-    """Parameter names equal the checkpoint's, so loading is one strict state-dict load."""
+    """Module names follow the text checkpoint's (``model.layers.N...``, ``lm_head``); the
+    routed experts hold (N, K) stacks (``w13``/``w2``, models/moe.py) that models/loader.py
+    assembles from either published expert layout.  ``fp8`` names the modules whose
+    weights are FP8 (models/quant.py)."""
 
-    def __init__(self, config):
+    def __init__(self, config, fp8: Fp8Plan = NO_FP8):
         super().__init__()
         self.config = config
-        self.model = TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = TextModel(config, fp8)
+        self.lm_head = fp8.linear("lm_head", config.hidden_size, config.vocab_size)
         self._inv_freq = None
         self._rope_scaling = 1.0
 
@@ -152,7 +178,7 @@ class Llama4ForCausalLM(nn.Module):
 
     def init_rope(self, device):
         """float32 inverse frequencies on ``device`` (transformers' formulas per rope type)."""
-        params = getattr(self.config, "rope_parameters", None) or {}
+        params = rope_parameters(self.config)
         rope_type = supported_rope_type(self.config)
         if rope_type == "default":
             dim = self.config.head_dim
@@ -175,35 +201,3 @@ class Llama4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden):
         return self.lm_head(hidden)
-
-
-def load_llama4(model_dir, device="cpu", dtype=None) -> Llama4ForCausalLM:
-    """Build the model from ``config.json`` and load every ``*.safetensors`` shard."""
-    from safetensors.torch import load_file
-
-    model_dir = Path(model_dir)
-    config = load_text_config(model_dir)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if not shards:
-        raise ValueError(f"{model_dir}: no *.safetensors files")
-    state = {}
-    for shard in shards:
-        for name, tensor in load_file(str(shard)).items():
-            # Multimodal checkpoints nest the text model under language_model.
-            if name.startswith("language_model."):
-                name = name[len("language_model."):]
-            if name.startswith(("model.", "lm_head.")):
-                name, tensor = hf_expert_tensor(name, tensor)
-                state[name] = tensor
-    if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    with torch.device("meta"):
-        model = Llama4ForCausalLM(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model = model.to(device=device, dtype=dtype).eval()
-    configure_moe(model)
-    model.init_rope(device)
-    return model
