@@ -11,19 +11,25 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from chunklocal._validate import as_int, cdiv, check_chunk_geometry
+from chunklocal._validate import as_bool, as_int, cdiv, check_chunk_geometry
 from chunklocal.backends.base import EngineLimits, Kind
 from chunklocal.bounds.closed_forms import max_virtual_batches
-from chunklocal.engine.block_manager import BlockManager, KVGroup
+from chunklocal.engine.block_manager import BlockManager, KVGroup, available_memory
 from chunklocal.engine.model_runner import ModelRunner
-from chunklocal.engine.requests import check_prompts, check_temperature, load_tokenizer, torch_dtype
+from chunklocal.engine.requests import (
+    check_device,
+    check_prompts,
+    check_temperature,
+    load_tokenizer,
+    torch_dtype,
+)
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.sequence import SamplingParams, Sequence
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 from chunklocal.models.llama4_config import generation_eos, layer_kind, read_config
 from chunklocal.models.loader import LOAD_FORMATS, load_model, plan_load
 
-_CPU_KV_BYTES = 2 << 30  # default KV budget on the CPU when num_kv_blocks is None
+KV_MEMORY_FRACTION = 0.4  # of free GPU memory / available RAM, when num_kv_blocks is None
 
 
 @dataclass
@@ -84,6 +90,9 @@ class LLM:
         dtype = torch_dtype(dtype)
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        self.device = check_device(device)
+        cuda_graphs, hybrid_kv_cache = (as_bool(cuda_graphs, "cuda_graphs"),
+                                        as_bool(hybrid_kv_cache, "hybrid_kv_cache"))
         ckpt = read_config(self.model_dir)
         config = self.config = ckpt.text
         if max_model_len is None:
@@ -106,11 +115,10 @@ class LLM:
         chunk = config.attention_chunk_size
         if chunk is not None:
             check_chunk_geometry(chunk, block_size)
-        self.device = torch.device(device)
         self.max_num_seqs, self.block_size = int(max_num_seqs), int(block_size)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.num_speculative_tokens = int(num_speculative_tokens)
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
 
         backend_name = attention_backend
         if backend_name == "auto":
@@ -169,25 +177,26 @@ class LLM:
         of max_model_len is refused with a max_model_len that fits."""
         layers_of = {kind: self.layer_kinds.count(kind) for kind in specs}
         whole_seq = cdiv(self.max_model_len, self.block_size)
+        available = available_memory(self.device)
         if num_kv_blocks is None:
             per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
-            budget = _CPU_KV_BYTES
-            if self.device.type == "cuda":
-                free = torch.cuda.mem_get_info(self.device)[0]
-                if weight_bytes > free:
-                    raise ValueError(f"the weights need {weight_bytes / 2**30:.1f} GiB, "
-                                     f"{free / 2**30:.1f} GiB is free on {self.device}")
-                budget = int((free - weight_bytes) * 0.4)
+            if weight_bytes > available:
+                raise ValueError(f"the weights need {weight_bytes / 2**30:.1f} GiB, "
+                                 f"{available / 2**30:.1f} GiB is available on {self.device}")
+            budget = int((available - weight_bytes) * KV_MEMORY_FRACTION)
             if whole_seq * per_block > budget:
                 fits = budget // per_block * self.block_size
                 raise ValueError(
                     f"one request of max_model_len {self.max_model_len} needs "
                     f"{whole_seq * per_block / 2**30:.1f} GiB of KV cache, more than the "
-                    f"default budget of {budget / 2**30:.1f} GiB: pass max_model_len <= "
-                    f"{fits} or an explicit num_kv_blocks")
+                    f"default budget of {budget / 2**30:.1f} GiB ({KV_MEMORY_FRACTION:.0%} of "
+                    f"the memory available on {self.device.type} after the weights): pass "
+                    f"max_model_len <= {fits} or an explicit num_kv_blocks")
             num_kv_blocks = min(self.max_num_seqs * whole_seq, budget // per_block)
         num_kv_blocks = int(num_kv_blocks)
         chunk = self.config.attention_chunk_size
+        # A chunked group holds a request's pages from its current chunk's start through
+        # the step's last query: at most c - 1 + T positions.
         local_need = min(cdiv(chunk - 1 + self.max_num_batched_tokens, self.block_size),
                          whole_seq) if chunk else whole_seq
         if hybrid or len(specs) == 1:
@@ -198,20 +207,31 @@ class LLM:
                 size = num_kv_blocks
                 if specs[kind].attention_chunk_size:
                     size = min(num_kv_blocks, self.max_num_seqs * need)
-                groups.append((kind.value, specs[kind], size, need))
+                groups.append((kind.value, specs[kind], size, need, layers_of[kind]))
             kind_to_group = {kind: i for i, kind in enumerate(names)}
         else:
             merged = merge([specs[Kind.CHUNKED], specs[Kind.GLOBAL]])
-            groups = [("merged", merged, num_kv_blocks, whole_seq)]
+            groups = [("merged", merged, num_kv_blocks, whole_seq, sum(layers_of.values()))]
             kind_to_group = {Kind.CHUNKED: 0, Kind.GLOBAL: 0}
-        for name, _, size, need in groups:
-            if size < need:
-                raise ValueError(
-                    f"num_kv_blocks={size} for the {name} KV group cannot hold one request: "
-                    f"max_model_len {self.max_model_len} needs {need} blocks of "
-                    f"{self.block_size}; max_model_len <= {size * self.block_size} fits")
+        # num_kv_blocks sizes every group, so the smallest that works is the largest need.
+        name, _, _, minimum, _ = max(groups, key=lambda g: g[3])
+        if num_kv_blocks < minimum:
+            raise ValueError(
+                f"num_kv_blocks={num_kv_blocks} cannot hold one request: the {name} KV group "
+                f"needs {minimum} blocks of {self.block_size} tokens (max_model_len "
+                f"{self.max_model_len}, max_num_batched_tokens {self.max_num_batched_tokens}); "
+                f"pass num_kv_blocks >= {minimum}, or max_model_len <= "
+                f"{num_kv_blocks * self.block_size} fits")
+        # One scratch page per group past the pool (KVGroup.scratch_page), every layer's K and V.
+        kv_bytes = sum((size + 1) * spec.page_size_bytes * layers
+                       for _, spec, size, _, layers in groups)
+        if kv_bytes + weight_bytes > available:
+            raise ValueError(
+                f"num_kv_blocks={num_kv_blocks} needs {kv_bytes / 2**30:.1f} GiB of KV cache, "
+                f"more than the {(available - weight_bytes) / 2**30:.1f} GiB available on "
+                f"{self.device.type} after {weight_bytes / 2**30:.1f} GiB of weights")
         self.group_names = [name for name, *_ in groups]
-        return [KVGroup(spec, size) for _, spec, size, _ in groups], kind_to_group
+        return [KVGroup(spec, size) for _, spec, size, *_ in groups], kind_to_group
 
     def _backend(self, name, group, kv_dtype):
         if name == "torch":
@@ -253,8 +273,11 @@ class LLM:
         progress bar and the summary line only for calls longer than 2 s.
         """
         check_temperature(temperature)
+        ignore_eos = as_bool(ignore_eos, "ignore_eos")
+        if use_tqdm is not None:
+            use_tqdm = as_bool(use_tqdm, "use_tqdm")
         token_lists, as_text = self._check_prompts(prompts, max_new_tokens)
-        params = SamplingParams(int(max_new_tokens), float(temperature), bool(ignore_eos))
+        params = SamplingParams(int(max_new_tokens), float(temperature), ignore_eos)
         seqs = self._run(token_lists, params, use_tqdm)
         outputs = [seq.output_ids for seq in seqs]
         if as_text:
@@ -268,7 +291,7 @@ class LLM:
         # The one token sampled after the prompt is never computed: a prompt may fill
         # max_model_len exactly.
         token_lists, _ = self._check_prompts(prompts, 1, room_for_new_tokens=False)
-        self.runner.capture, self.runner.capture_last_only = {}, last_only
+        self.runner.capture, self.runner.capture_last_only = {}, as_bool(last_only, "last_only")
         try:
             seqs = self._run(token_lists, SamplingParams(1, 0.0, True), use_tqdm=False)
             return [torch.cat(self.runner.capture[s.seq_id]) for s in seqs]

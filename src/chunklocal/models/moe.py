@@ -33,11 +33,14 @@ from torch import nn
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
-# How loaded models run their MoE layers (see :func:`configure`); set from
-# benchmarks/moe.py's H200 measurements, off until those exist.
+# How loaded models run their MoE layers (see :func:`configure`), chosen from
+# benchmarks/moe.py on the H200 (BENCHMARKS.md, "MoE layer"): stacking or fusing the shared
+# expert measured no faster, so both stay off; the Triton kernel beats torch._grouped_mm
+# while experts average at most 16 rows each (it reads each touched expert once per N-tile
+# without padding rows up to the grouped GEMM's tile), and loses beyond.
 STACK_SHARED = False    # shared expert into slot E of the stacks (float weights)
 FUSE_MAX_TOKENS = 0     # steps up to this many tokens run it as group E
-TRITON_MAX_PAIRS = 0    # steps up to this many (token, expert) pairs use moe_triton
+TRITON_PAIRS_PER_EXPERT = 16  # steps up to this many (token, expert) pairs per expert
 
 
 def route(x: torch.Tensor, router, top_k: int):
@@ -154,8 +157,8 @@ def configure(model: nn.Module, stack_shared: bool | None = None,
         if STACK_SHARED if stack_shared is None else stack_shared:
             layer.stack_shared()
         layer.fuse_max_tokens = FUSE_MAX_TOKENS if fuse_max_tokens is None else fuse_max_tokens
-        layer.triton_max_pairs = (TRITON_MAX_PAIRS if triton_max_pairs is None
-                                  else triton_max_pairs)
+        layer.triton_max_pairs = (TRITON_PAIRS_PER_EXPERT * layer.num_experts
+                                  if triton_max_pairs is None else triton_max_pairs)
     return len(layers)
 
 
