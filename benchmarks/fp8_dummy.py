@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=65536)
+    parser.add_argument("--max-model-len", type=int, default=32768)  # KV room: ~10 GiB
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=1024)
