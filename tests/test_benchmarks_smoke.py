@@ -152,3 +152,17 @@ def test_dense_alternatives_match_independent_oracle():
         torch.testing.assert_close(flex_out, expected, rtol=1e-9, atol=1e-9)
         ref, index = dense.reference_rows(d)
         torch.testing.assert_close(ref, expected[index], rtol=1e-9, atol=1e-9)
+
+
+def test_decode_trace_counts_files_to_the_kernel(tmp_path):
+    """The decode-path trace reaches the kernel; issue 15 measured 11 files on the CPU path
+    (BENCHMARKS.md): a change that adds a hop should say why."""
+    from benchmarks import decode_trace
+
+    decode_trace.write_checkpoint(tmp_path)
+    result = decode_trace.trace_decode(tmp_path)
+    files = result["decode_files"]
+    assert files[0] == "chunklocal/engine/llm.py"
+    assert {"chunklocal/reference.py", "chunklocal/models/llama4.py",
+            "chunklocal/backends/torch_ref.py"} <= set(files)
+    assert result["count"] == len(files) <= 11
