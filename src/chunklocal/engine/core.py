@@ -239,6 +239,10 @@ class EngineCore:
     def _loop(self):
         from chunklocal.engine.core_step import run_step
 
+        if self.llm.device.type == "cuda":  # the current device is per thread
+            import torch
+
+            torch.cuda.set_device(self.llm.device)
         while True:
             block = not self.scheduler.has_work()
             commands = [self._commands.get()] if block else []
