@@ -100,6 +100,7 @@ class RequestStream:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._abort = None  # set by the engine core: callable(wait: bool)
         self._done = threading.Event()  # set after the final publish (result() waits here)
+        self._sync_readers = 0  # threads inside __iter__'s wait (skip notify_all without)
 
     # -- writer side (engine loop) ---------------------------------------------------------
     def _publish(self) -> None:
@@ -107,7 +108,8 @@ class RequestStream:
         self._version += 1
         if self._request.finished or self._request.error is not None:
             self._done.set()
-        self._cond.notify_all()
+        if self._sync_readers:
+            self._cond.notify_all()
         for loop, event in self._waiters:
             try:
                 loop.call_soon_threadsafe(event.set)
@@ -130,7 +132,11 @@ class RequestStream:
             with self._cond:
                 got = self._take(seen)
                 while got is None:
-                    self._cond.wait()
+                    self._sync_readers += 1
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._sync_readers -= 1
                     got = self._take(seen)
             seen, snapshot, done = got
             yield snapshot
