@@ -10,7 +10,7 @@
    requests (new tokens/s); on CUDA also with FlashInfer's sampler off (torch).
 3. ``sampler``: the sampler alone on [rows, vocab] float32 logits (torch vs FlashInfer).
 
-GPU: python -m benchmarks.engine_core   CPU smoke: python -m benchmarks.engine_core --smoke
+GPU: python -m benchmarks.engine_core   CPU: python -m benchmarks.engine_core --shape tiny
 """
 
 from __future__ import annotations
@@ -142,10 +142,14 @@ def main(argv=None) -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--vocab-size", type=int, default=SCOUT["vocab_size"])
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--shape", choices=["scout", "tiny"], default="scout",
+                        help="scout: 4 Llama-4-Scout-shaped layers; tiny: the smoke model (CPU)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shape = dict(SCOUT, vocab_size=args.vocab_size)
+    shape = dict(SCOUT if args.shape == "scout" else SMOKE)
+    if args.vocab_size:
+        shape["vocab_size"] = args.vocab_size
     repeats = args.repeats or 30
     if args.smoke:
         shape, repeats = SMOKE, 3
@@ -156,6 +160,8 @@ def main(argv=None) -> int:
         model_dir = Path(tmp) / "model"
         max_len = args.prompt_len + args.new_tokens
         write_random_checkpoint(model_dir, shape, max_len, device)
+        if device == "cpu":
+            torch.set_num_threads(1 if args.shape == "tiny" else torch.get_num_threads())
         llm = chunklocal.LLM(model_dir, device=device,
                              dtype=torch.bfloat16 if device == "cuda" else torch.float32,
                              max_num_seqs=args.num_prompts, max_model_len=max_len,
