@@ -22,7 +22,7 @@ from llama4_tiny import write_tiny_llama4
 
 import chunklocal
 from chunklocal.engine.detokenize import IncrementalDetokenizer
-from chunklocal.engine.sampler import SampleResult
+from chunklocal.engine.sampler import DeviceSample
 from chunklocal.engine.sampling import SamplingParams
 from chunklocal.engine.stream import RequestStream
 
@@ -67,10 +67,10 @@ class Scripted:
     def __init__(self, scripts):
         self.scripts = scripts
 
-    def __call__(self, logits, seqs, owner):
+    def launch(self, logits, seqs, owner):
         tokens = [self.scripts[tuple(seqs[i].token_ids[:seqs[i].num_prompt_tokens])]
                   [seqs[i].num_generated] for i in owner]
-        return SampleResult(np.array(tokens, dtype=np.int64))
+        return DeviceSample(torch.tensor(np.array(tokens, dtype=np.int64)))
 
 
 @pytest.fixture()

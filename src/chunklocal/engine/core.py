@@ -69,6 +69,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._detok_tokenizer = None
         self.num_steps = 0
+        self.num_penalised = 0  # live samples with penalties (no overlap while > 0)
         #: (virtual batches, query tokens, blocks used per group) of the latest steps.
         self.step_log: deque = deque(maxlen=1 << 16)
         self.prompt_tokens_total = 0
@@ -240,14 +241,15 @@ class EngineCore:
             self._thread.start()
 
     def _loop(self):
-        from chunklocal.engine.core_step import run_step
+        from chunklocal.engine.core_step import run_step, step_async
 
         if self.llm.device.type == "cuda":  # the current device is per thread
             import torch
 
             torch.cuda.set_device(self.llm.device)
+        pending = None  # async_scheduling: a step launched and not yet collected
         while True:
-            block = not self.scheduler.has_work()
+            block = not self.scheduler.has_work() and pending is None
             commands = [self._commands.get()] if block else []
             while True:
                 try:
@@ -268,7 +270,9 @@ class EngineCore:
                 for rid in list(self._requests):
                     self._abort(rid)
                 return
-            if self.scheduler.has_work():
+            if self.llm.async_scheduling:
+                pending = step_async(self, pending)
+            elif self.scheduler.has_work():
                 run_step(self)
 
     def _add(self, req: Request) -> None:
@@ -276,6 +280,7 @@ class EngineCore:
         for sample in req.samples:
             if sample.seq.capture is not None:
                 self.llm.runner.capturing += 1
+            self.num_penalised += _penalised(sample.params)
             self.scheduler.add(sample.seq)
         self.prompt_tokens_total += len(req.prompt_token_ids)
         with self._lock:
@@ -299,10 +304,16 @@ class EngineCore:
         for sample in req.samples:
             if sample.seq.capture is not None:
                 self.llm.runner.capturing -= 1
+            self.num_penalised -= _penalised(sample.params)
         self._requests.pop(req.request_id, None)
         with self._lock:
             self._live.pop(req.request_id, None)
         req.stream._publish()
+
+
+def _penalised(params) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
 
 
 @atexit.register

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from chunklocal.engine.overlap import overlappable, provisional, resolve
 from chunklocal.engine.sequence import Status
 
 
@@ -34,6 +35,51 @@ def run_step(core) -> None:
         fail_all(core, err)
 
 
+def launch_step(core, prev=None):
+    """Schedule and queue one step (async_scheduling); None when nothing could be
+    scheduled while ``prev`` is still in flight (its results may free pages)."""
+    llm, sched = core.llm, core.scheduler
+    batch = sched.schedule()
+    if not batch.seqs:
+        if prev is not None:
+            return None
+        raise RuntimeError(f"no request could be scheduled ({len(sched.waiting)} waiting, "
+                           f"{len(sched.running)} running): the KV pool cannot hold them")
+    launched = llm.runner.launch(batch, prev)
+    virtual = llm.runner.step_virtual_batches
+    if virtual > llm.max_virtual_batches:
+        raise RuntimeError(f"{virtual} virtual batches in one step exceed the bound "
+                           f"{llm.max_virtual_batches}")
+    core.num_steps += 1
+    launched.step = core.num_steps
+    core.step_log.append((virtual, int(sum(batch.num_new)),
+                          tuple(g.num_used for g in llm.groups)))
+    return launched
+
+
+def step_async(core, pending):
+    """One loop iteration with async_scheduling (engine/overlap.py); the step left in
+    flight (or None).  Any exception fails every request in the engine."""
+    llm, sched = core.llm, core.scheduler
+    try:
+        if pending is None:
+            return launch_step(core) if sched.has_work() else None
+        if not overlappable(core, pending):
+            out = llm.runner.collect(pending)
+            sched.postprocess(pending.batch, out.tokens, llm.eos_ids)
+            _publish(core, pending.batch, out, pending.step)
+            return None
+        provisional(sched, pending)
+        launched = launch_step(core, pending) if sched.has_work() else None
+        out = llm.runner.collect(pending)
+        resolve(sched, pending, out, llm.eos_ids)
+        _publish(core, pending.batch, out, pending.step)
+        return launched
+    except BaseException as err:  # noqa: B036 - handed to the requests' streams
+        fail_all(core, err)
+        return None
+
+
 def fail_all(core, err: BaseException) -> None:
     """Free every page and fail every request still in the engine with ``err``."""
     core.scheduler.abort_all()
@@ -44,18 +90,18 @@ def fail_all(core, err: BaseException) -> None:
             core._finish(req, error=err)
 
 
-def _publish(core, batch, out) -> None:
+def _publish(core, batch, out, step=None) -> None:
     """Per request that advanced: take its tokens, then finish or publish it, under its
     stream's lock once (a request of n > 1 samples publishes after all of them)."""
     multi = {}
-    now, step = time.monotonic(), core.num_steps
+    now, step = time.monotonic(), core.num_steps if step is None else step
     for i, seq in enumerate(batch.seqs):
         req = seq.sample.request
         if req.first_step is None:
             req.first_step = step
         req.last_step = step
-        if len(out.tokens[i]) == 0:
-            continue  # a prefill piece that does not reach the prompt's end
+        if len(out.tokens[i]) == 0 or seq.sample.finish_reason is not None:
+            continue  # a prefill piece short of the prompt's end, or finished meanwhile
         with req.stream._cond:
             _advance(core, seq.sample, seq, out, i, now)
             if len(req.samples) > 1:

@@ -87,12 +87,15 @@ class CudaGraphs:
         b = self.batch_sizes[int(np.searchsorted(self.batch_sizes, n))]
         return b, q
 
-    def run(self, layout, inputs, tables, slots) -> torch.Tensor:
-        """Replay for ``inputs`` (StepInputs); ``tables``/``slots`` per KV group."""
+    def run(self, layout, inputs, tables, slots, input_ids=None) -> torch.Tensor:
+        """Replay for ``inputs`` (StepInputs); ``tables``/``slots`` per KV group.
+        ``input_ids``: the step's tokens already on the device (else inputs.input_ids)."""
         batch_size, query_len = layout
         rows = inputs.input_ids.shape[0]
         padded = batch_size * query_len
-        self.input_ids[:rows].copy_(torch.from_numpy(inputs.input_ids), non_blocking=True)
+        if input_ids is None:
+            input_ids = torch.from_numpy(inputs.input_ids)
+        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
         self.positions[:rows].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
         self.input_ids[rows:padded].zero_()
         self.positions[rows:padded].zero_()

@@ -42,6 +42,8 @@ class LLM:
     "none" (or "vllm") keeps SamplingParams' own defaults; a directory reads its
     generation_config.json.  ``max_waiting_requests``: how many requests may wait
     for admission in ``llm.core`` before add_request refuses (None: no limit).
+    ``async_scheduling``: prepare step n+1 on the host while the device runs step n
+    (engine/overlap.py; off with speculative decoding or penalties), same outputs.
 
     Every call is a client of one ``EngineCore`` (``llm.core``, a loop thread started
     on first use), so several threads may call generate() / prompt_logits() at once;
@@ -53,7 +55,8 @@ class LLM:
                  max_num_batched_tokens=8192, max_model_len=None, block_size=16,
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0,
-                 generation_config="auto", max_waiting_requests=None):
+                 generation_config="auto", max_waiting_requests=None,
+                 async_scheduling=False):
         self.model_dir = Path(model)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model must be a checkpoint directory with config.json and "
@@ -82,6 +85,7 @@ class LLM:
             raise ValueError(f"max_waiting_requests must be positive or None, got "
                              f"{max_waiting_requests!r}")
         self.max_waiting_requests = max_waiting_requests
+        self.async_scheduling = bool(async_scheduling)
         if generation_config == "auto":
             self.default_sampling = generation_config_defaults(self.model_dir)
         elif generation_config in ("none", "vllm", None):

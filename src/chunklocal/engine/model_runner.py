@@ -19,7 +19,7 @@ import torch
 
 from chunklocal._validate import cdiv
 from chunklocal.engine.block_manager import BlockManager
-from chunklocal.engine.sampler import Sampler, SampleResult
+from chunklocal.engine.sampler import DeviceSample, Sampler, SampleResult
 from chunklocal.engine.scheduler import ScheduledBatch
 from chunklocal.models.llama4 import CHUNKED, AttentionStep
 from chunklocal.virtual_batches import virtual_batches_per_request
@@ -41,6 +41,16 @@ class StepOutput:
     tokens: list[np.ndarray]    # per request: the tokens chosen at its logit rows
     sample: SampleResult        # per logit row (tokens, logprobs)
     row_bounds: np.ndarray      # [N+1]: request i owns rows row_bounds[i]:row_bounds[i+1]
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens are not on the host yet."""
+    batch: ScheduledBatch
+    sample: DeviceSample
+    row_bounds: np.ndarray      # [N+1] logit rows per request
+    used_graph: bool            # replayed a CUDA graph (no FlashInfer plan() staging)
+    step: int = 0               # the engine core's step number
 
 
 #: Steps whose statistics the runner keeps (a server runs for ever: bounded).
@@ -151,9 +161,22 @@ class ModelRunner:
                                     chunked=kind == CHUNKED)
                 for kind, g in self.kind_to_group.items()}
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """One forward step; the chosen tokens of each request (empty when none)."""
+        return self.collect(self.launch(batch))
+
+    def collect(self, launched: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's tokens (only that step's copies, not later work)."""
+        sample, bounds = launched.sample.result(), launched.row_bounds
+        tokens = sample.tokens
+        return StepOutput([tokens[bounds[i]:bounds[i + 1]] for i in range(bounds.shape[0] - 1)],
+                          sample, bounds)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step.  With ``prev`` (launched, not collected), input tokens that are
+        still placeholders (-1: ``prev``'s own samples) are read from ``prev`` on the
+        device, so this step needs no wait for ``prev`` (engine/overlap.py)."""
         inputs = self.prepare(batch)
         self.tokens_per_step.append(int(inputs.query_start_loc[-1]))
         self._count_virtual_batches(inputs)
@@ -161,21 +184,27 @@ class ModelRunner:
         layout = None
         if self.graphs is not None:
             layout = self.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
+        input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
+        holes = np.flatnonzero(inputs.input_ids < 0) if prev is not None else ()
+        if len(holes):
+            owner = np.searchsorted(inputs.query_start_loc, holes, side="right") - 1
+            src = np.fromiter((batch.seqs[i].placeholder_row for i in owner), np.int64,
+                              owner.shape[0])
+            input_ids[torch.from_numpy(holes).to(self.device)] = \
+                prev.sample.tokens_dev[torch.from_numpy(src).to(self.device)]
         if layout is not None:
-            hidden = self.graphs.run(layout, inputs, tables, slots)
+            hidden = self.graphs.run(layout, inputs, tables, slots, input_ids)
             self.graph_steps += 1
         else:
             steps = self.build_steps(inputs, tables, slots)
-            hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
-                                torch.from_numpy(inputs.positions).to(self.device), steps)
+            hidden = self.model(input_ids, torch.from_numpy(inputs.positions).to(self.device),
+                                steps)
         if self.capture is not None or self.capturing:
             self._capture_prompt_logits(batch, inputs, hidden)
         rows = hidden[torch.from_numpy(inputs.logit_rows).to(self.device)]
-        sample = self.sampler(self.logits(rows), batch.seqs, inputs.logit_owner)
+        sample = self.sampler.launch(self.logits(rows), batch.seqs, inputs.logit_owner)
         bounds = np.searchsorted(inputs.logit_owner, np.arange(len(batch.seqs) + 1))
-        tokens = sample.tokens
-        return StepOutput([tokens[bounds[i]:bounds[i + 1]] for i in range(len(batch.seqs))],
-                          sample, bounds)
+        return LaunchedStep(batch, sample, bounds, layout is not None)
 
     def _capture_prompt_logits(self, batch, inputs, hidden):
         seqs = batch.seqs

@@ -115,9 +115,13 @@ class Sampler:
         Speculative verify windows belong to plain-greedy requests only (the scheduler
         drafts for no other), so their rows are argmax rows like any greedy row.
         """
+        return self.launch(logits, seqs, owner).result()
+
+    def launch(self, logits: torch.Tensor, seqs, owner: np.ndarray) -> DeviceSample:
+        """Queue the sampling of every row; the host copies start without waiting."""
         num_rows = logits.shape[0]
         if num_rows == 0:
-            return SampleResult(np.zeros(0, dtype=np.int64))
+            return DeviceSample(torch.zeros(0, dtype=torch.long, device=logits.device))
         table = np.stack([s.sampling_row for s in seqs])[owner]
         want_logprobs = table[:, LOGPROBS] >= 0
         raw = logits
@@ -137,10 +141,16 @@ class Sampler:
             rows = np.flatnonzero(~greedy)
             tokens[torch.from_numpy(rows).to(tokens.device)] = self._draw(
                 logits, rows, table, seqs, owner)
-        result = SampleResult(tokens.cpu().numpy())
-        if want_logprobs.any():
-            self._logprobs(raw, tokens, table, want_logprobs, result)
-        return result
+        if not want_logprobs.any():
+            return DeviceSample(tokens)
+        # Raw log-probabilities (before penalties and temperature) of the rows asking.
+        rows = np.flatnonzero(want_logprobs)
+        rows_t = torch.from_numpy(rows).to(raw.device)
+        logprobs = torch.log_softmax(raw[rows_t].float(), dim=-1)
+        picked = logprobs.gather(1, tokens[rows_t][:, None])[:, 0]
+        k = min(int(table[want_logprobs, LOGPROBS].max()), logprobs.shape[1])
+        values, ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+        return DeviceSample(tokens, rows, picked, values, ids)
 
     def _draw(self, logits, rows, table, seqs, owner):
         dev = logits.device
@@ -180,21 +190,43 @@ class Sampler:
             chosen[race_t] = (probs / noise).argmax(dim=-1)
         return chosen
 
-    @staticmethod
-    def _logprobs(raw, tokens, table, want, result):
-        """Raw log-probabilities (before penalties and temperature) of the rows asking."""
-        num_rows = raw.shape[0]
-        rows = np.flatnonzero(want)
-        rows_t = torch.from_numpy(rows).to(raw.device)
-        logprobs = torch.log_softmax(raw[rows_t].float(), dim=-1)
-        result.token_logprobs = np.zeros(num_rows, dtype=np.float32)
-        result.token_logprobs[rows] = logprobs.gather(1, tokens[rows_t][:, None])[:, 0].cpu()
-        k = int(table[want, LOGPROBS].max())
-        if k > 0:
-            values, ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
-            result.topk_logprobs = np.zeros((num_rows, values.shape[1]), dtype=np.float32)
-            result.topk_ids = np.zeros((num_rows, values.shape[1]), dtype=np.int64)
-            result.topk_logprobs[rows], result.topk_ids[rows] = values.cpu(), ids.cpu()
+
+class DeviceSample:
+    """A step's sampled tokens (and logprobs) on the device, with their copies to the host
+    already queued: ``result()`` waits for those copies only, not for later work."""
+
+    def __init__(self, tokens, rows=None, picked=None, values=None, ids=None):
+        self.tokens_dev = tokens  # read on the device by the next step's input patch
+        self.num_rows, self.rows = tokens.shape[0], rows
+        parts = [tokens, picked, values, ids]
+        self.event = None
+        if tokens.is_cuda:
+            copies = []
+            for part in parts:
+                if part is None:
+                    copies.append(None)
+                    continue
+                host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+                copies.append(host.copy_(part, non_blocking=True))
+            parts = copies
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.host = parts
+
+    def result(self) -> SampleResult:
+        if self.event is not None:
+            self.event.synchronize()
+        tokens, picked, values, ids = self.host
+        result = SampleResult(tokens.numpy())
+        if picked is not None:
+            result.token_logprobs = np.zeros(self.num_rows, dtype=np.float32)
+            result.token_logprobs[self.rows] = picked.numpy()
+        if values is not None:
+            result.topk_logprobs = np.zeros((self.num_rows, values.shape[1]), dtype=np.float32)
+            result.topk_ids = np.zeros((self.num_rows, values.shape[1]), dtype=np.int64)
+            result.topk_logprobs[self.rows] = values.numpy()
+            result.topk_ids[self.rows] = ids.numpy()
+        return result
 
 
 def request_generator(seq, device) -> torch.Generator:

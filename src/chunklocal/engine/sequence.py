@@ -53,6 +53,10 @@ class Sequence:
         self.captured: list = []
         #: The engine core's Sample this sequence feeds (engine/stream.py).
         self.sample = None
+        #: Overlapped steps (engine/overlap.py): index in token_ids of the token still on
+        #: the device, and its row in that step's samples.
+        self.placeholder_index: int | None = None
+        self.placeholder_row = 0
 
     def __len__(self):
         return len(self.token_ids)
