@@ -167,6 +167,13 @@ def test_abort_and_failed_step_in_flight(path):
     next(iter(stream))
     stream.abort(wait=True)
     assert stream.result().outputs[0].finish_reason == "abort"
+    # aborted with its step in flight: finished once (counters back to 0), not twice
+    penalised = overlapped.core.add_request([6] * 20, SamplingParams(
+        max_tokens=100, ignore_eos=True, repetition_penalty=1.2))
+    next(iter(penalised))
+    penalised.abort(wait=True)
+    assert penalised.result().outputs[0].finish_reason == "abort"
+    assert overlapped.core.num_penalised == 0 and overlapped.runner.capturing == 0
     real, calls = overlapped.runner.launch, []
 
     def fail_fourth(batch, prev=None):
