@@ -9,6 +9,8 @@
 2. ``sampling``: the same workload with greedy, top-k/top-p, seeded and penalised
    requests (new tokens/s); on CUDA also with FlashInfer's sampler off (torch).
 3. ``sampler``: the sampler alone on [rows, vocab] float32 logits (torch vs FlashInfer).
+4. ``overlap``: the decode-heavy workload with ``async_scheduling`` off and on, alternated
+   (same engine, same outputs checked), new tokens/s side by side.
 
 GPU: python -m benchmarks.engine_core   CPU: python -m benchmarks.engine_core --shape tiny
 """
@@ -109,6 +111,27 @@ def sampling_rows(llm, prompts, new, device) -> list:
     return rows
 
 
+def overlap_rows(llm, prompts, new, device, rounds=2) -> list:
+    """Sync loop vs async_scheduling on one engine, alternated; outputs must be equal."""
+    rows, outputs = [], {}
+    for _ in range(rounds):
+        for overlap in (False, True):
+            llm.async_scheduling = overlap
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, max_new_tokens=new, ignore_eos=True, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            if outputs.setdefault(overlap, outs) != outs or outputs.get(not overlap,
+                                                                        outs) != outs:
+                raise AssertionError("async_scheduling changed the outputs")
+            rows.append({"async_scheduling": overlap, "new_tokens/s": len(prompts) * new /
+                         seconds, "steps": llm.last_stats.steps, "seconds": seconds})
+            print(format_table(rows[-1:]), flush=True)
+    llm.async_scheduling = False
+    return rows
+
+
 def sampler_rows(device, num_rows, vocab, repeats) -> list:
     from chunklocal.engine.sampler import Sampler, sampling_row
     from chunklocal.engine.sampling import SamplingParams
@@ -173,12 +196,14 @@ def main(argv=None) -> int:
         steps = step_breakdown(llm, prompts, args.new_tokens, device)
         print(format_table([steps]), flush=True)
         sampling = sampling_rows(llm, prompts, args.new_tokens, device)
+        overlap = overlap_rows(llm, prompts, args.new_tokens, device)
         llm.core.shutdown()
     sampler = sampler_rows(device, args.num_prompts, shape["vocab_size"], repeats)
     print(format_table(sampler))
     path = write_json("engine_core_smoke" if args.smoke else "engine_core",
                       {"model": shape, "args": vars(args), "steps": steps,
-                       "sampling": sampling, "sampler": sampler, "errors": []}, args.out)
+                       "sampling": sampling, "overlap": overlap, "sampler": sampler,
+                       "errors": []}, args.out)
     print(f"wrote {path}")
     return 0
 

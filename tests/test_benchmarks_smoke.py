@@ -163,3 +163,4 @@ def test_engine_core_smoke(tmp_path):
     steps = data["steps"]
     assert steps["steps"] == 6 and steps["host_ms"] < steps["step_ms"]
     assert {row["case"] for row in data["sampling"]} >= {"greedy", "seeded_T0.8_top_p0.95"}
+    assert [row["async_scheduling"] for row in data["overlap"]] == [False, True] * 2

@@ -13,8 +13,8 @@ pages are freed and their streams raise the error; the loop goes on serving new
 requests.  Abort: pages are freed before the next step starts (``wait=True`` blocks
 until then); the stream ends with finish_reason "abort".
 
-Overlap of the host's work for step n+1 with the device's step n is not done: the loop
-is synchronous (see BENCHMARKS.md, "engine core").
+With ``LLM(async_scheduling=True)`` the loop launches step n+1 before step n's tokens
+reach the host (engine/overlap.py, same outputs); otherwise it is synchronous.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 
 from chunklocal._validate import cdiv
 from chunklocal.engine.block_manager import BlockManager
-from chunklocal.engine.sampler import DeviceSample, Sampler, SampleResult
+from chunklocal.engine.sampler import DeviceSample, Sampler, SampleResult, to_device
 from chunklocal.engine.scheduler import ScheduledBatch
 from chunklocal.models.llama4 import CHUNKED, AttentionStep
 from chunklocal.virtual_batches import virtual_batches_per_request
@@ -151,7 +151,7 @@ class ModelRunner:
             pages = table[row_of_token, inputs.positions // self.block_size].astype(np.int64)
             slot = pages * self.block_size + inputs.positions % self.block_size
             tables.append(table)
-            slots.append(torch.from_numpy(slot).to(self.device))
+            slots.append(to_device(slot, self.device))
         return tables, slots
 
     def build_steps(self, inputs: StepInputs, tables, slots) -> dict[str, AttentionStep]:
@@ -184,24 +184,23 @@ class ModelRunner:
         layout = None
         if self.graphs is not None:
             layout = self.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
-        input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
+        input_ids = to_device(inputs.input_ids, self.device)
         holes = np.flatnonzero(inputs.input_ids < 0) if prev is not None else ()
         if len(holes):
             owner = np.searchsorted(inputs.query_start_loc, holes, side="right") - 1
             src = np.fromiter((batch.seqs[i].placeholder_row for i in owner), np.int64,
                               owner.shape[0])
-            input_ids[torch.from_numpy(holes).to(self.device)] = \
-                prev.sample.tokens_dev[torch.from_numpy(src).to(self.device)]
+            input_ids[to_device(holes, self.device)] = \
+                prev.sample.tokens_dev[to_device(src, self.device)]
         if layout is not None:
             hidden = self.graphs.run(layout, inputs, tables, slots, input_ids)
             self.graph_steps += 1
         else:
             steps = self.build_steps(inputs, tables, slots)
-            hidden = self.model(input_ids, torch.from_numpy(inputs.positions).to(self.device),
-                                steps)
+            hidden = self.model(input_ids, to_device(inputs.positions, self.device), steps)
         if self.capture is not None or self.capturing:
             self._capture_prompt_logits(batch, inputs, hidden)
-        rows = hidden[torch.from_numpy(inputs.logit_rows).to(self.device)]
+        rows = hidden[to_device(inputs.logit_rows, self.device)]
         sample = self.sampler.launch(self.logits(rows), batch.seqs, inputs.logit_owner)
         bounds = np.searchsorted(inputs.logit_owner, np.arange(len(batch.seqs) + 1))
         return LaunchedStep(batch, sample, bounds, layout is not None)

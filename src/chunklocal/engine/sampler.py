@@ -41,6 +41,18 @@ def sampling_row(params: SamplingParams) -> np.ndarray:
                      params.seed is not None], dtype=np.float64)
 
 
+def to_device(array, device, dtype=None) -> torch.Tensor:
+    """A numpy array on ``device`` without waiting for queued device work: staged in
+    pinned memory and copied asynchronously (a plain ``.to(cuda)`` synchronises the
+    stream, which would serialise an overlapped loop, see engine/overlap.py)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    if torch.device(device).type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SampleResult:
     tokens: np.ndarray                  # [R] int64
@@ -63,18 +75,19 @@ def apply_penalties(logits, token_ids, num_prompt, rep, pres, freq):
     starts = np.cumsum(lengths) - lengths
     is_output = (np.arange(flat.shape[0]) - starts[row]) >= np.repeat(num_prompt, lengths)
     dev = logits.device
-    row_t, tok_t = torch.from_numpy(row).to(dev), torch.from_numpy(flat).to(dev)
+    row_t, tok_t = to_device(row, dev), to_device(flat, dev)
     seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=dev)
     seen[row_t, tok_t] = True
     counts = torch.zeros(num_rows, vocab, dtype=logits.dtype, device=dev)
-    out_t = torch.from_numpy(is_output).to(dev)
+    out_t = to_device(is_output, dev)
     counts.index_put_((row_t[out_t], tok_t[out_t]),
                       torch.ones((), dtype=logits.dtype, device=dev), accumulate=True)
-    rep_t = torch.as_tensor(rep, dtype=logits.dtype, device=dev)[:, None]
+    rep_t = to_device(np.asarray(rep, np.float64), dev, logits.dtype)[:, None]
     penalised = torch.where(logits > 0, logits / rep_t, logits * rep_t)
     logits = torch.where(seen, penalised, logits)
-    logits = logits - torch.as_tensor(freq, dtype=logits.dtype, device=dev)[:, None] * counts
-    return logits - torch.as_tensor(pres, dtype=logits.dtype, device=dev)[:, None] * (counts > 0)
+    freq_t = to_device(np.asarray(freq, np.float64), dev, logits.dtype)[:, None]
+    pres_t = to_device(np.asarray(pres, np.float64), dev, logits.dtype)[:, None]
+    return logits - freq_t * counts - pres_t * (counts > 0)
 
 
 def top_k_top_p_min_p(logits, top_k, top_p, min_p):
@@ -82,19 +95,20 @@ def top_k_top_p_min_p(logits, top_k, top_p, min_p):
     vocab = logits.shape[1]
     if (min_p > 0).any():
         probs = logits.softmax(dim=-1)
-        floor = probs.amax(dim=-1, keepdim=True) * torch.as_tensor(min_p).to(probs)[:, None]
+        scale = to_device(min_p, probs.device, probs.dtype)[:, None]
+        floor = probs.amax(dim=-1, keepdim=True) * scale
         logits = logits.masked_fill(probs < floor, float("-inf"))
     k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
     if not ((k < vocab).any() or (top_p < 1).any()):
         return logits
     ordered, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)
-    drop = ranks[None, :] >= torch.from_numpy(k).to(logits.device)[:, None]
+    drop = ranks[None, :] >= to_device(k, logits.device)[:, None]
     ordered = ordered.masked_fill(drop, float("-inf"))
     probs = ordered.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     # Keep the fewest leading tokens whose mass reaches top_p (the first always stays).
-    drop |= mass_before >= torch.as_tensor(top_p).to(probs)[:, None]
+    drop |= mass_before >= to_device(top_p, probs.device, probs.dtype)[:, None]
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, ordered)
 
@@ -130,7 +144,7 @@ class Sampler:
             rows = np.flatnonzero(penalised)
             hist = [seqs[i] for i in owner[rows]]
             logits = logits.clone()
-            rows_t = torch.from_numpy(rows).to(logits.device)
+            rows_t = to_device(rows, logits.device)
             logits[rows_t] = apply_penalties(
                 logits[rows_t], [s.token_ids for s in hist],
                 np.fromiter((s.num_prompt_tokens for s in hist), np.int64, len(hist)),
@@ -139,13 +153,13 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not greedy.all():
             rows = np.flatnonzero(~greedy)
-            tokens[torch.from_numpy(rows).to(tokens.device)] = self._draw(
+            tokens[to_device(rows, tokens.device)] = self._draw(
                 logits, rows, table, seqs, owner)
         if not want_logprobs.any():
             return DeviceSample(tokens)
         # Raw log-probabilities (before penalties and temperature) of the rows asking.
         rows = np.flatnonzero(want_logprobs)
-        rows_t = torch.from_numpy(rows).to(raw.device)
+        rows_t = to_device(rows, raw.device)
         logprobs = torch.log_softmax(raw[rows_t].float(), dim=-1)
         picked = logprobs.gather(1, tokens[rows_t][:, None])[:, 0]
         k = min(int(table[want_logprobs, LOGPROBS].max()), logprobs.shape[1])
@@ -154,8 +168,8 @@ class Sampler:
 
     def _draw(self, logits, rows, table, seqs, owner):
         dev = logits.device
-        rows_t = torch.from_numpy(rows).to(dev)
-        temp = torch.from_numpy(table[rows, TEMP]).to(logits)
+        rows_t = to_device(rows, dev)
+        temp = to_device(table[rows, TEMP], dev, logits.dtype)
         scaled = logits[rows_t] / temp[:, None]
         top_k, top_p, min_p = table[rows, TOP_K], table[rows, TOP_P], table[rows, MIN_P]
         seeded = table[rows, SEEDED] > 0
@@ -163,7 +177,7 @@ class Sampler:
         race = np.flatnonzero(seeded) if self.use_flashinfer else np.arange(rows.shape[0])
         if self.use_flashinfer and not seeded.all():
             free = np.flatnonzero(~seeded)
-            free_t = torch.from_numpy(free).to(dev)
+            free_t = to_device(free, dev)
             part = scaled[free_t]
             if (min_p[free] > 0).any():
                 part = top_k_top_p_min_p(part, np.zeros(free.shape[0]),
@@ -171,17 +185,17 @@ class Sampler:
             vocab = part.shape[1]
             k = np.where(top_k[free] > 0, np.minimum(top_k[free], vocab), vocab)
             chosen[free_t] = _flashinfer_sampling().top_k_top_p_sampling_from_logits(
-                part.float().contiguous(), torch.from_numpy(k.astype(np.int32)).to(dev),
-                torch.from_numpy(top_p[free].astype(np.float32)).to(dev),
+                part.float().contiguous(), to_device(k.astype(np.int32), dev),
+                to_device(top_p[free].astype(np.float32), dev),
                 deterministic=True, generator=self.generator).long()
         if race.shape[0]:
-            race_t = torch.from_numpy(race).to(dev)
+            race_t = to_device(race, dev)
             probs = top_k_top_p_min_p(scaled[race_t], top_k[race], top_p[race],
                                       min_p[race]).softmax(dim=-1)
             noise = torch.empty_like(probs)
             unseeded = np.flatnonzero(~seeded[race])
             if unseeded.shape[0]:
-                noise[torch.from_numpy(unseeded).to(dev)] = torch.empty(
+                noise[to_device(unseeded, dev)] = torch.empty(
                     unseeded.shape[0], probs.shape[1], dtype=probs.dtype,
                     device=dev).exponential_(generator=self.generator)
             for i in np.flatnonzero(seeded[race]):  # one generator per seeded request
