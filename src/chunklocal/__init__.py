@@ -36,6 +36,10 @@ _EXPORTS = {
     "MetadataBuffers": "backends.flashinfer.buffers",
     "CapacityError": "backends.flashinfer.buffers",
     "LLM": "engine.llm",
+    "SamplingParams": "engine.sampling",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "EngineCore": "engine.core",
 }
 
 __all__ = sorted(_EXPORTS)
