@@ -128,7 +128,10 @@ def hf_generate(model, prompt, max_new_tokens, eos=None):
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = (eos or [0])[0]
     kwargs = {} if eos else {"min_new_tokens": max_new_tokens}
-    out = model.generate(torch.tensor([prompt], device=model.device),
+    ids = torch.tensor([prompt], device=model.device)
+    # An explicit mask: without one, generate() takes every prompt token equal to the pad
+    # id (eos[0], or 0) for padding and hides it from attention.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids),
                          max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     return out[0, len(prompt):].tolist()
 
