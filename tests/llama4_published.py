@@ -143,7 +143,8 @@ def fake_quant(x: torch.Tensor, scale_ub=None) -> torch.Tensor:
     amax = x.float().abs().amax(-1, keepdim=True)
     if scale_ub is not None:
         amax = amax.clamp(max=scale_ub)
-    scale = amax.clamp(min=1e-12) / 448.0
+    # divided by a tensor: CUDA would multiply by float32(1/448) instead (1 ulp off)
+    scale = amax.clamp(min=1e-12) / amax.new_full((), 448.0)
     q = (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     return (q.float() * scale).to(x.dtype)
 
