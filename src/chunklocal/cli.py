@@ -15,6 +15,7 @@ _COMMANDS = {
     "plan": ("chunklocal.sizing", "print buffer sizes for an engine configuration"),
     "verify-bounds": ("chunklocal.verify_bounds",
                       "check the closed-form bounds against brute force"),
+    "serve": ("chunklocal.server.cli", "OpenAI-compatible HTTP server for a checkpoint"),
 }
 
 

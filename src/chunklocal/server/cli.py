@@ -1,0 +1,242 @@
+"""``chunklocal serve MODEL``: the OpenAI-compatible server on uvicorn.
+
+Every ``LLM`` argument has a flag (``LLM_FLAGS``; a test checks the list against
+``LLM.__init__``).  The server listens at once and loads the model in a thread: /health
+answers 503 until the engine is ready, then 200.  SIGTERM / SIGINT abort every running
+and waiting request (their responses end with finish_reason "abort"), let the responses
+finish, and exit with status 0; a second SIGINT forces the exit.
+
+This module imports only argparse at load time, so other subcommands stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import os
+import signal
+import threading
+
+API_KEY_ENV = "CHUNKLOCAL_API_KEY"
+
+# LLM keyword argument -> argparse dest of its flag.
+LLM_FLAGS = {
+    "device": "device", "dtype": "dtype", "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
+    "block_size": "block_size", "num_kv_blocks": "num_kv_blocks",
+    "attention_backend": "attention_backend", "cuda_graphs": "cuda_graphs",
+    "hybrid_kv_cache": "hybrid_kv_cache", "num_speculative_tokens": "num_speculative_tokens",
+    "seed": "seed", "generation_config": "generation_config",
+    "max_waiting_requests": "max_waiting_requests", "load_format": "load_format",
+    "tensor_parallel_size": "tensor_parallel_size",
+}
+# Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
+_DEFAULTS_IF_ABSENT = {"load_format": "auto", "tensor_parallel_size": 1}
+
+log = logging.getLogger("chunklocal.server")
+
+
+def _int_at_least(lowest: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lowest:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {text!r}")
+        return value
+
+    parse.__name__ = "positive int" if lowest == 1 else "int >= 0"
+    return parse
+
+
+_positive, _non_negative = _int_at_least(1), _int_at_least(0)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from chunklocal.server.params import ServeLimits
+
+    lim = ServeLimits()
+    p.add_argument("model", help="checkpoint directory (config.json + *.safetensors, "
+                   "tokenizer files for text prompts and chat)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 serves beyond "
+                   "this machine: an explicit choice)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model names the API accepts (default: MODEL as given); responses "
+                   "use the first")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
+    g.add_argument("--max-request-bytes", type=_positive, default=lim.max_request_bytes,
+                   help=f"largest request body (default {lim.max_request_bytes})")
+    g.add_argument("--max-n", type=_positive, default=lim.max_n,
+                   help=f"largest n per request (default {lim.max_n})")
+    g.add_argument("--max-logprobs", type=_non_negative, default=lim.max_logprobs,
+                   help=f"largest logprobs / top_logprobs (default {lim.max_logprobs})")
+    g.add_argument("--max-stop", type=_non_negative, default=lim.max_stop,
+                   help=f"most stop strings, and most stop_token_ids (default {lim.max_stop})")
+    g.add_argument("--max-prompts", type=_positive, default=lim.max_prompts,
+                   help=f"most prompts in one /v1/completions request (default "
+                   f"{lim.max_prompts})")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access-log line per request")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    e = p.add_argument_group("engine (LLM arguments)")
+    e.add_argument("--device", default="auto",
+                   help="'cuda', 'cpu', ... (default auto: cuda when available)")
+    e.add_argument("--dtype", default="auto",
+                   help="auto, float32, bfloat16 or float16 (default auto)")
+    e.add_argument("--max-num-seqs", type=_positive, default=256)
+    e.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
+    e.add_argument("--max-model-len", type=_positive, default=None,
+                   help="prompt + new tokens per request (default: max_position_embeddings)")
+    e.add_argument("--block-size", type=_positive, default=16)
+    e.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
+                   type=_positive, default=None,
+                   help="KV pages in the global group (default: sized from memory)")
+    e.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "flashinfer"])
+    e.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false",
+                   help="no CUDA graphs")
+    e.add_argument("--disable-hybrid-kv-cache-manager", dest="hybrid_kv_cache",
+                   action="store_false",
+                   help="one merged KV group that keeps every page (default: separate "
+                   "global and chunked groups)")
+    e.add_argument("--num-speculative-tokens", type=_non_negative, default=0,
+                   help="prompt-lookup draft length k (default 0)")
+    e.add_argument("--load-format", default="auto", help="checkpoint format (default auto)")
+    e.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    e.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="auto: sampling fields a request leaves unset take the checkpoint's "
+                   "generation_config.json; none: vLLM's defaults (default auto)")
+    e.add_argument("--max-waiting-requests", type=_non_negative, default=None,
+                   help="requests allowed to wait for a slot; past it the server answers 503 "
+                   "(default: no limit)")
+    e.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                   help="GPUs per model (needs an LLM with tensor parallelism)")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args) -> None:
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    if args.api_key == "":
+        parser.error(f"--api-key (or ${API_KEY_ENV}) is empty")
+    accepted = inspect.signature(_llm_class().__init__).parameters
+    for name, default in _DEFAULTS_IF_ABSENT.items():
+        if name not in accepted and getattr(args, LLM_FLAGS[name]) != default:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} needs an LLM with {name}; this build has none")
+
+
+def _llm_class():
+    from chunklocal.engine.llm import LLM
+
+    return LLM
+
+
+def llm_kwargs(args) -> dict:
+    """Keyword arguments for LLM(args.model, ...): every flag the LLM accepts."""
+    accepted = inspect.signature(_llm_class().__init__).parameters
+    kwargs = {name: getattr(args, dest) for name, dest in LLM_FLAGS.items() if name in accepted}
+    if kwargs.get("device") == "auto":
+        import torch
+
+        kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    return kwargs
+
+
+def make_core(args):
+    """Load the checkpoint and start its engine core (the slow part)."""
+    llm = _llm_class()(args.model, **llm_kwargs(args))
+    core = getattr(llm, "core", None)
+    if core is None:
+        from chunklocal.engine.core import EngineCore
+
+        core = EngineCore(llm)
+    return core
+
+
+def main(args) -> int:
+    try:
+        import uvicorn
+
+        from chunklocal.server.app import ServerConfig, ServerState, build_app
+        from chunklocal.server.params import ServeLimits
+    except ImportError as err:
+        raise SystemExit(f"chunklocal serve needs the web packages ({err.name} is missing): "
+                         "pip install 'chunklocal[serve]'") from err
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    limits = ServeLimits(args.max_request_bytes, args.max_n, args.max_logprobs, args.max_stop,
+                         max_prompts=args.max_prompts)
+    config = ServerConfig(args.served_model_name or [args.model], str(args.model),
+                          args.api_key, limits)
+    state = ServerState(config)
+    server = _Server(uvicorn.Config(build_app(state), host=args.host, port=args.port,
+                                    log_level=args.log_level, lifespan="off",
+                                    access_log=not args.disable_uvicorn_access_log), state)
+    loader = threading.Thread(target=server.load, args=(args,), name="chunklocal-load",
+                              daemon=True)
+    loader.start()
+    server.run()
+    if server.load_error is not None:
+        log.error("loading %s failed: %s", args.model, server.load_error)
+        return 1
+    return 0
+
+
+run_serve = main
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return p
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def __init__(self, config, state):
+            super().__init__(config)
+            self.state, self.load_error = state, None
+
+        def load(self, args):
+            try:
+                core = make_core(args)
+            except BaseException as err:  # noqa: BLE001 - reported, then the server exits
+                log.exception("could not load %s", args.model)
+                self.load_error = err
+                self.should_exit = True
+                return
+            if self.state.shutting_down:
+                core.shutdown()
+                return
+            self.state.set_core(core)
+            log.info("model %s loaded: /health answers 200", args.model)
+
+        def handle_exit(self, sig, frame):
+            # Not recorded for re-raising (uvicorn would, ending the process by the signal):
+            # a clean shutdown exits 0.
+            if not self.state.shutting_down:
+                self.state.shutting_down = True
+                core = self.state.core
+                if core is not None:
+                    # Not in the signal handler itself: shutdown takes the core's lock.
+                    threading.Thread(target=core.shutdown, name="chunklocal-stop",
+                                     daemon=True).start()
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+    return Server
+
+
+def _Server(config, state):  # noqa: N802 - a class made on first use (uvicorn is optional)
+    return _server_class()(config, state)
