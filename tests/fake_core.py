@@ -114,10 +114,10 @@ class FakeCore:
         self.live: dict[str, FakeStream] = {}
         self.added: list[FakeStream] = []
         self.aborted: list[str] = []
-        self.is_shut_down = False
+        self.closed = False
 
     def add_request(self, prompt_token_ids, params, request_id=None, prompt=None):
-        if self.is_shut_down:
+        if self.closed:
             raise RuntimeError("core is shut down")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"request {request_id}: prompt too long")
@@ -137,7 +137,7 @@ class FakeCore:
             self.aborted.append(request_id)
 
     def shutdown(self):
-        self.is_shut_down = True
+        self.closed = True
         for rid in list(self.live):
             self.abort(rid)
 

@@ -49,17 +49,17 @@ class ServerState:
         self.config = config
         self.core = None
         self.vocab_size: int | None = None
+        self.default_max_tokens: int | None = None  # generation_config's max_new_tokens
         self.shutting_down = False
         self.metrics = ServerMetrics(self)
         # Tokenizing a long prompt takes a while: off the event loop, one at a time.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="chunklocal-tokenize")
 
     def set_core(self, core) -> None:
-        vocab = getattr(core, "vocab_size", None)
-        if vocab is None:
-            config = getattr(getattr(core, "llm", None), "config", None)
-            vocab = getattr(config, "vocab_size", None)
-        self.vocab_size = vocab
+        llm = getattr(core, "llm", None)
+        self.vocab_size = getattr(core, "vocab_size", None) or getattr(
+            getattr(llm, "config", None), "vocab_size", None)
+        self.default_max_tokens = getattr(llm, "default_sampling", {}).get("max_tokens")
         self.core = core
 
     def ready_core(self):
@@ -136,8 +136,8 @@ def build_app(state: ServerState) -> FastAPI:
         return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, *args)
 
     async def answer(request, req, core, model, top, prompt_list, rid, chat):
-        kwargs = [params.sampling_kwargs(req, top, len(ids), core.max_model_len)
-                  for _, ids in prompt_list]
+        kwargs = [params.sampling_kwargs(req, top, len(ids), core.max_model_len,
+                                         state.default_max_tokens) for _, ids in prompt_list]
         streams = generate.submit(core, prompt_list, kwargs, rid)
         tok = responses.TokenText(core.tokenizer)
         observe = state.metrics.observe

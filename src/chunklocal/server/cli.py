@@ -1,10 +1,11 @@
 """``chunklocal serve MODEL``: the OpenAI-compatible server on uvicorn.
 
 Every ``LLM`` argument has a flag (``LLM_FLAGS``; a test checks the list against
-``LLM.__init__``).  The server listens at once and loads the model in a thread: /health
-answers 503 until the engine is ready, then 200.  SIGTERM / SIGINT abort every running
-and waiting request (their responses end with finish_reason "abort"), let the responses
-finish, and exit with status 0; a second SIGINT forces the exit.
+``LLM.__init__``).  The server listens at once (uvicorn in a thread) while the main
+thread loads the model: /health answers 503 until the engine is ready, then 200.
+SIGTERM / SIGINT abort every running and waiting request (their responses end with
+finish_reason "abort"), let the responses finish, and exit with status 0 (a signal during
+loading stops the load); a second SIGINT forces the exit.
 
 This module imports only argparse at load time, so other subcommands stay fast.
 """
@@ -19,6 +20,7 @@ import signal
 import threading
 
 API_KEY_ENV = "CHUNKLOCAL_API_KEY"
+_GRACE_S = 30  # after SIGTERM, responses still open this long are cut
 
 # LLM keyword argument -> argparse dest of its flag.
 LLM_FLAGS = {
@@ -110,10 +112,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt-lookup draft length k (default 0)")
     e.add_argument("--load-format", default="auto", help="checkpoint format (default auto)")
     e.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
-    e.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+    e.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
                    help="auto: sampling fields a request leaves unset take the checkpoint's "
-                   "generation_config.json; none: vLLM's defaults (default auto)")
-    e.add_argument("--max-waiting-requests", type=_non_negative, default=None,
+                   "generation_config.json; none (or vllm): vLLM's defaults; a directory: "
+                   "its generation_config.json (default auto)")
+    e.add_argument("--max-waiting-requests", type=_positive, default=None,
                    help="requests allowed to wait for a slot; past it the server answers 503 "
                    "(default: no limit)")
     e.add_argument("--tensor-parallel-size", type=_positive, default=1,
@@ -160,6 +163,10 @@ def make_core(args):
     return core
 
 
+class _Interrupted(BaseException):
+    """A signal arrived while the model was loading: stop loading."""
+
+
 def main(args) -> int:
     try:
         import uvicorn
@@ -172,20 +179,61 @@ def main(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     limits = ServeLimits(args.max_request_bytes, args.max_n, args.max_logprobs, args.max_stop,
                          max_prompts=args.max_prompts)
-    config = ServerConfig(args.served_model_name or [args.model], str(args.model),
-                          args.api_key, limits)
-    state = ServerState(config)
-    server = _Server(uvicorn.Config(build_app(state), host=args.host, port=args.port,
-                                    log_level=args.log_level, lifespan="off",
-                                    access_log=not args.disable_uvicorn_access_log), state)
-    loader = threading.Thread(target=server.load, args=(args,), name="chunklocal-load",
-                              daemon=True)
-    loader.start()
-    server.run()
-    if server.load_error is not None:
-        log.error("loading %s failed: %s", args.model, server.load_error)
+    state = ServerState(ServerConfig(args.served_model_name or [args.model], str(args.model),
+                                     args.api_key, limits))
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+        lifespan="off", access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=_GRACE_S))
+    # uvicorn runs in a thread (it installs no signal handlers there); the main thread
+    # loads the model and handles signals.  Loading in a thread that then exits would
+    # leave its OpenMP team spinning and slow every CPU step many times over.
+    web = threading.Thread(target=server.run, name="chunklocal-http", daemon=True)
+
+    def on_signal(sig, frame):
+        first = not state.shutting_down
+        state.shutting_down = True  # /health and new requests: 503
+        core = state.core
+        if first and core is not None:
+            # Running requests end with finish_reason "abort"; their responses complete,
+            # then uvicorn stops.  Not in the handler: shutdown joins the loop thread.
+            threading.Thread(target=core.shutdown, name="chunklocal-stop", daemon=True).start()
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+        if loading:
+            raise _Interrupted
+
+    loading = False
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    web.start()
+    while not server.started and web.is_alive():
+        web.join(0.05)
+    if not web.is_alive():  # could not bind the port (uvicorn logged why)
         return 1
-    return 0
+    status, core = 0, None
+    try:
+        if not state.shutting_down:
+            loading = True
+            core = make_core(args)
+            loading = False
+    except _Interrupted:
+        core = None
+    except Exception:  # noqa: BLE001 - reported; the server stops with status 1
+        log.exception("could not load %s", args.model)
+        server.should_exit, status, core = True, 1, None
+    if core is not None:
+        if state.shutting_down:
+            core.shutdown()
+        else:
+            state.set_core(core)
+            log.info("model %s loaded: /health answers 200", args.model)
+    while web.is_alive():
+        web.join(0.2)  # wakes often enough for signal handlers to run
+    if core is not None:
+        core.shutdown()
+    return status
 
 
 run_serve = main
@@ -196,47 +244,3 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return p
-
-
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def __init__(self, config, state):
-            super().__init__(config)
-            self.state, self.load_error = state, None
-
-        def load(self, args):
-            try:
-                core = make_core(args)
-            except BaseException as err:  # noqa: BLE001 - reported, then the server exits
-                log.exception("could not load %s", args.model)
-                self.load_error = err
-                self.should_exit = True
-                return
-            if self.state.shutting_down:
-                core.shutdown()
-                return
-            self.state.set_core(core)
-            log.info("model %s loaded: /health answers 200", args.model)
-
-        def handle_exit(self, sig, frame):
-            # Not recorded for re-raising (uvicorn would, ending the process by the signal):
-            # a clean shutdown exits 0.
-            if not self.state.shutting_down:
-                self.state.shutting_down = True
-                core = self.state.core
-                if core is not None:
-                    # Not in the signal handler itself: shutdown takes the core's lock.
-                    threading.Thread(target=core.shutdown, name="chunklocal-stop",
-                                     daemon=True).start()
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            else:
-                self.should_exit = True
-
-    return Server
-
-
-def _Server(config, state):  # noqa: N802 - a class made on first use (uvicorn is optional)
-    return _server_class()(config, state)

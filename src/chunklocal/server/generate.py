@@ -40,7 +40,13 @@ def submit(core, prompts, kwargs_per_prompt, request_id: str):
             raise APIError(f"{where}{err}", param=_param_named_in(str(err), kwargs)) from err
     streams = []
     try:
-        for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True)):
+        items = list(enumerate(zip(prompts, params, strict=True)))
+        if len(items) > 1 and hasattr(core, "make_request"):
+            # All prompts checked, then queued together (or none: a full queue refuses all).
+            reqs = [core.make_request(ids, p, f"{request_id}-{i}", text)
+                    for i, ((text, ids), p) in items]
+            return core.submit(reqs, check_queue=True)
+        for i, ((text, ids), p) in items:
             streams.append(core.add_request(ids, p, request_id=f"{request_id}-{i}", prompt=text))
     except BaseException as err:
         for s in streams:
@@ -50,7 +56,7 @@ def submit(core, prompts, kwargs_per_prompt, request_id: str):
                            code="queue_full", type="service_unavailable") from err
         if isinstance(err, ValueError):
             raise APIError(str(err), param="prompt") from err
-        if isinstance(err, RuntimeError) and getattr(core, "is_shut_down", False):
+        if isinstance(err, RuntimeError) and getattr(core, "closed", False):
             raise APIError("the server is shutting down", status=503,
                            code="shutting_down") from err
         raise
@@ -58,8 +64,8 @@ def submit(core, prompts, kwargs_per_prompt, request_id: str):
 
 
 def _param_named_in(message: str, kwargs: dict) -> str | None:
-    # SamplingParams names the field first ("top_p must be in (0, 1], got 2.0").
-    head = message.split(" ", 1)[0].strip(":'\"")
+    # SamplingParams names the field first ("SamplingParams.top_p must be ..., got 2.0").
+    head = message.split(" ", 1)[0].strip(":'\"").removeprefix("SamplingParams.")
     return head if head in kwargs or head in ("max_tokens", "logprobs") else None
 
 

@@ -111,10 +111,11 @@ def max_tokens_of(req: _Request) -> int | None:
 
 
 def sampling_kwargs(req: _Request, top_logprobs: int | None, prompt_len: int,
-                    max_model_len: int) -> dict:
+                    max_model_len: int, default_max_tokens: int | None = None) -> dict:
     """SamplingParams keyword arguments for one prompt: only the fields the client set
-    (the rest come from the engine, i.e. the checkpoint's generation_config), and
-    max_tokens defaulting to the room left in max_model_len, as vLLM does."""
+    (the engine fills the rest from the checkpoint's generation_config), and max_tokens
+    defaulting, as vLLM's does, to the room left in max_model_len, or to the
+    generation_config's max_new_tokens (``default_max_tokens``) when that is smaller."""
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(f"the prompt has {prompt_len} tokens, which leaves no room for a new "
@@ -122,7 +123,7 @@ def sampling_kwargs(req: _Request, top_logprobs: int | None, prompt_len: int,
                        code="context_length_exceeded")
     max_tokens = max_tokens_of(req)
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
     elif max_tokens < 1:
         raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     elif max_tokens > room:
