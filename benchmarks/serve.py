@@ -182,7 +182,8 @@ def summarize(clients, records, wall, max_tokens) -> dict:
     itl = [g for r in done for g in r["itl"]]
     return {"clients": clients, "requests": len(records), "completed": len(done),
             "failed": len(records) - len(done), "wall_s": wall,
-            "requests_per_s": len(done) / wall, "output_tokens_per_s": len(done) * max_tokens / wall,
+            "requests_per_s": len(done) / wall,
+            "output_tokens_per_s": len(done) * max_tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
             "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
             "e2e_p50_s": percentile([r["e2e"] for r in done], 50)}

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 openai = pytest.importorskip("openai")
-from benchmarks.serve import free_port, launch_server, wait_healthy  # noqa: E402
 from llama4_tiny import write_tiny_llama4  # noqa: E402
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 import chunklocal  # noqa: E402
+from benchmarks.serve import free_port, launch_server, wait_healthy  # noqa: E402
 
 # TEMPORARY until branch `core` (engine core + sampling) is merged into `server`.
 SamplingParams = pytest.importorskip("chunklocal.engine.sampling").SamplingParams
