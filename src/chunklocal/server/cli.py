@@ -31,10 +31,9 @@ LLM_FLAGS = {
     "hybrid_kv_cache": "hybrid_kv_cache", "num_speculative_tokens": "num_speculative_tokens",
     "seed": "seed", "generation_config": "generation_config",
     "max_waiting_requests": "max_waiting_requests", "load_format": "load_format",
-    "tensor_parallel_size": "tensor_parallel_size",
 }
 # Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
-_DEFAULTS_IF_ABSENT = {"load_format": "auto", "tensor_parallel_size": 1}
+_DEFAULTS_IF_ABSENT = {"load_format": "auto"}
 
 log = logging.getLogger("chunklocal.server")
 
@@ -119,11 +118,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-waiting-requests", type=_positive, default=None,
                    help="requests allowed to wait for a slot; past it the server answers 503 "
                    "(default: no limit)")
-    e.add_argument("--tensor-parallel-size", type=_positive, default=1,
-                   help="GPUs per model (needs an LLM with tensor parallelism)")
 
 
 def check_arguments(parser: argparse.ArgumentParser, args) -> None:
+    from pathlib import Path
+
+    if not (Path(args.model) / "config.json").is_file():
+        parser.error(f"MODEL must be a checkpoint directory with config.json; "
+                     f"{args.model!r} has none")
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.api_key == "":
