@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from chunklocal._validate import cdiv
 from chunklocal.engine.block_manager import BlockManager, KVGroup
+from chunklocal.engine.sampling import SamplingParams
 from chunklocal.engine.scheduler import Scheduler, propose_ngram
-from chunklocal.engine.sequence import SamplingParams, Sequence
+from chunklocal.engine.sequence import Sequence
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 
 VOCAB = 11
@@ -121,7 +122,7 @@ def test_random_workloads_finish_with_right_tokens(lengths, max_new, max_num_seq
     runner = FakeRunner(groups, scheduler, (max_num_seqs, budget))
     # Repetitive prompts so that prompt lookup finds drafts, some of them right.
     prompts = [rng.integers(0, 3, n).tolist() for n in lengths]
-    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_new, ignore_eos=True)
     seqs = [Sequence(i, p, params, len(groups)) for i, p in enumerate(prompts)]
     for seq in seqs:
         scheduler.add(seq)
@@ -148,7 +149,7 @@ def test_preemption_happens_and_recovers():
     groups = [KVGroup(spec, cdiv(max_model_len, block_size))]
     scheduler = Scheduler(BlockManager(groups, 4, groups[0].num_blocks), 4, 64, max_model_len, 0)
     runner = FakeRunner(groups, scheduler, (4, 64))
-    seqs = [Sequence(i, p, SamplingParams(max_new, ignore_eos=True), 1)
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=max_new, ignore_eos=True), 1)
             for i, p in enumerate(prompts)]
     for seq in seqs:
         scheduler.add(seq)

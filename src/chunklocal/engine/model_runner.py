@@ -10,6 +10,7 @@ a CUDA graph when one is captured for their shape (engine/cuda_graphs.py).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from itertools import chain
 
@@ -18,6 +19,7 @@ import torch
 
 from chunklocal._validate import cdiv
 from chunklocal.engine.block_manager import BlockManager
+from chunklocal.engine.sampler import Sampler, SampleResult
 from chunklocal.engine.scheduler import ScheduledBatch
 from chunklocal.models.llama4 import CHUNKED, AttentionStep
 from chunklocal.virtual_batches import virtual_batches_per_request
@@ -34,6 +36,17 @@ class StepInputs:
     num_drafts: np.ndarray      # [N] speculative tokens per request
 
 
+@dataclass
+class StepOutput:
+    tokens: list[np.ndarray]    # per request: the tokens chosen at its logit rows
+    sample: SampleResult        # per logit row (tokens, logprobs)
+    row_bounds: np.ndarray      # [N+1]: request i owns rows row_bounds[i]:row_bounds[i+1]
+
+
+#: Steps whose statistics the runner keeps (a server runs for ever: bounded).
+STEP_HISTORY = 1 << 16
+
+
 class ModelRunner:
     def __init__(self, model, block_manager: BlockManager, kind_to_group: dict[str, int],
                  backends: list, device, kv_dtype, seed: int = 0, chunk_size=None):
@@ -45,15 +58,20 @@ class ModelRunner:
         self.chunk_size = chunk_size
         self.device = torch.device(device)
         self.block_size = self.groups[0].block_size
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.sampler = Sampler(self.device, seed)
         self.peak_virtual_batches = 0
-        self.virtual_batches_per_step: list[int] = []
-        self.tokens_per_step: list[int] = []
+        #: The latest STEP_HISTORY steps, oldest first.
+        self.virtual_batches_per_step: deque[int] = deque(maxlen=STEP_HISTORY)
+        self.tokens_per_step: deque[int] = deque(maxlen=STEP_HISTORY)
+        self.step_virtual_batches = 0  # of the latest step
         #: When a dict, run() stores the logits of every prompt position there,
-        #: by request id (see LLM.prompt_logits); ``capture_last_only`` keeps
-        #: just each prompt's last position.
+        #: by request id, for every request; ``capture_last_only`` keeps
+        #: just each prompt's last position.  Requests with ``seq.capture`` set
+        #: (LLM.prompt_logits) get theirs in ``seq.captured`` instead; ``capturing``
+        #: counts them (the engine core keeps it), so other steps skip the check.
         self.capture: dict | None = None
         self.capture_last_only = False
+        self.capturing = 0
         self.graphs = None
         self.graph_steps = 0
         self._bind_caches(kv_dtype)
@@ -111,6 +129,7 @@ class ModelRunner:
                                                 inputs.seq_lens, self.chunk_size).sum())
         self.peak_virtual_batches = max(self.peak_virtual_batches, count)
         self.virtual_batches_per_step.append(count)
+        self.step_virtual_batches = count
 
     def group_inputs(self, batch: ScheduledBatch, inputs: StepInputs):
         """Block table (numpy) and slot mapping (device) of every KV group."""
@@ -133,7 +152,7 @@ class ModelRunner:
                 for kind, g in self.kind_to_group.items()}
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, temperatures: np.ndarray) -> list[np.ndarray]:
+    def run(self, batch: ScheduledBatch) -> StepOutput:
         """One forward step; the chosen tokens of each request (empty when none)."""
         inputs = self.prepare(batch)
         self.tokens_per_step.append(int(inputs.query_start_loc[-1]))
@@ -149,40 +168,39 @@ class ModelRunner:
             steps = self.build_steps(inputs, tables, slots)
             hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
                                 torch.from_numpy(inputs.positions).to(self.device), steps)
-        if self.capture is not None:
+        if self.capture is not None or self.capturing:
             self._capture_prompt_logits(batch, inputs, hidden)
-        tokens = self.sample(hidden[torch.from_numpy(inputs.logit_rows).to(self.device)],
-                             temperatures[inputs.logit_owner])
+        rows = hidden[torch.from_numpy(inputs.logit_rows).to(self.device)]
+        sample = self.sampler(self.logits(rows), batch.seqs, inputs.logit_owner)
         bounds = np.searchsorted(inputs.logit_owner, np.arange(len(batch.seqs) + 1))
-        return [tokens[bounds[i]:bounds[i + 1]] for i in range(len(batch.seqs))]
+        tokens = sample.tokens
+        return StepOutput([tokens[bounds[i]:bounds[i + 1]] for i in range(len(batch.seqs))],
+                          sample, bounds)
 
     def _capture_prompt_logits(self, batch, inputs, hidden):
-        prompt_len = np.repeat([s.num_prompt_tokens for s in batch.seqs],
-                               np.diff(inputs.query_start_loc))
-        keep = inputs.positions < prompt_len
-        if self.capture_last_only:
-            keep &= inputs.positions == prompt_len - 1
+        seqs = batch.seqs
+        if self.capture is None:
+            mode = [s.capture for s in seqs]
+        else:
+            mode = ["last" if self.capture_last_only else "all"] * len(seqs)
+        per_token = np.diff(inputs.query_start_loc)
+        prompt_len = np.repeat([s.num_prompt_tokens for s in seqs], per_token)
+        last_only = np.repeat([m == "last" for m in mode], per_token)
+        keep = (inputs.positions < prompt_len) & np.repeat([m is not None for m in mode],
+                                                           per_token)
+        keep &= ~last_only | (inputs.positions == prompt_len - 1)
         rows = np.flatnonzero(keep)
         if rows.size == 0:
             return
         logits = self.logits(hidden[torch.from_numpy(rows).to(self.device)]).cpu()
         owner = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1
         for i in np.unique(owner):
-            seq = batch.seqs[int(i)]
-            self.capture.setdefault(seq.seq_id, []).append(logits[torch.from_numpy(owner == i)])
+            seq = seqs[int(i)]
+            part = logits[torch.from_numpy(owner == i)]
+            if self.capture is None:
+                seq.captured.append(part)
+            else:
+                self.capture.setdefault(seq.seq_id, []).append(part)
 
     def logits(self, hidden):
         return self.model.compute_logits(hidden).float()
-
-    def sample(self, hidden, temperatures: np.ndarray) -> np.ndarray:
-        if hidden.shape[0] == 0:
-            return np.zeros(0, dtype=np.int64)
-        logits = self.logits(hidden)
-        greedy = logits.argmax(dim=-1)
-        if not (temperatures > 0).any():
-            return greedy.cpu().numpy()
-        temp = torch.from_numpy(np.maximum(temperatures, 1e-6)).to(logits)
-        probs = torch.softmax(logits / temp[:, None], dim=-1)
-        drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        chosen = torch.where(torch.from_numpy(temperatures > 0).to(logits.device), drawn, greedy)
-        return chosen.cpu().numpy()

@@ -1,0 +1,101 @@
+"""One iteration of the engine core's loop: schedule, run, then publish what changed.
+
+Kept apart from core.py (the client API and the loop's commands) so each stays short.
+Runs on the loop thread only.
+"""
+
+from __future__ import annotations
+
+import time
+
+from chunklocal.engine.sequence import Status
+
+
+def run_step(core) -> None:
+    """One step.  Any exception fails every request in the engine (see core.py)."""
+    llm, sched = core.llm, core.scheduler
+    try:
+        batch = sched.schedule()
+        if not batch.seqs:
+            # Every request waits for pages that no running request will free.
+            raise RuntimeError(f"no request could be scheduled ({len(sched.waiting)} waiting, "
+                               f"{len(sched.running)} running): the KV pool cannot hold them")
+        out = llm.runner.run(batch)
+        virtual = llm.runner.step_virtual_batches
+        if virtual > llm.max_virtual_batches:
+            raise RuntimeError(f"{virtual} virtual batches in one step exceed the bound "
+                               f"{llm.max_virtual_batches}")
+        core.num_steps += 1
+        core.step_log.append((virtual, int(sum(batch.num_new)),
+                              tuple(g.num_used for g in llm.groups)))
+        sched.postprocess(batch, out.tokens, llm.eos_ids)
+        _publish(core, batch, out)
+    except BaseException as err:  # noqa: B036 - handed to the requests' streams
+        fail_all(core, err)
+
+
+def fail_all(core, err: BaseException) -> None:
+    """Free every page and fail every request still in the engine with ``err``."""
+    core.scheduler.abort_all()
+    for req in list(core._requests.values()):
+        with req.stream._cond:
+            for sample in req.samples:
+                sample.finish("abort")
+            core._finish(req, error=err)
+
+
+def _publish(core, batch, out) -> None:
+    touched = {}
+    now = time.monotonic()
+    for i, seq in enumerate(batch.seqs):
+        req = seq.sample.request
+        if req.first_step is None:
+            req.first_step = core.num_steps
+        req.last_step = core.num_steps
+        if len(out.tokens[i]) == 0:
+            continue  # a prefill piece that does not reach the prompt's end
+        with req.stream._cond:
+            _advance(core, seq.sample, seq, out, i, now)
+        touched[req.request_id] = req
+    for req in touched.values():
+        with req.stream._cond:
+            if req.finished:
+                core._finish(req)
+            else:
+                req.stream._publish()
+
+
+def _advance(core, sample, seq, out, i: int, now: float) -> None:
+    """Move the step's new tokens of ``seq`` into its sample: text, stop strings, logprobs."""
+    req, params = sample.request, sample.params
+    new = seq.token_ids[seq.num_prompt_tokens + len(sample.token_ids):]
+    if new and req.first_token_time is None:
+        req.first_token_time = now
+    row0, result = int(out.row_bounds[i]), out.sample
+    for j, token in enumerate(new):
+        # A final EOS or stop token id adds no text (vLLM), unless asked to.
+        terminal = j == len(new) - 1 and seq.finish_reason == "stop"
+        hit = None
+        if sample.detok is not None and (not terminal or params.include_stop_str_in_output):
+            hit = sample.detok.add(token)
+        sample.token_ids.append(token)
+        core.generation_tokens_total += 1
+        if sample.logprobs is not None:
+            row = row0 + j
+            entry = {}
+            if params.logprobs:
+                entry = dict(zip(result.topk_ids[row, :params.logprobs].tolist(),
+                                 result.topk_logprobs[row, :params.logprobs].tolist(),
+                                 strict=True))
+            logprob = float(result.token_logprobs[row])
+            entry[token] = logprob
+            sample.logprobs.append(entry)
+            sample.cumulative_logprob += logprob
+        if hit is not None:  # a stop string: later tokens of this step are dropped
+            if seq.status is not Status.FINISHED:
+                core.scheduler.abort(seq)  # frees its pages now
+            seq.finish_reason, seq.stop_reason = "stop", hit
+            sample.finish("stop", hit)
+            return
+    if seq.status is Status.FINISHED:
+        sample.finish(seq.finish_reason, seq.stop_reason)
