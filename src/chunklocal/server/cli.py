@@ -157,11 +157,8 @@ def llm_kwargs(args) -> dict:
 def make_core(args):
     """Load the checkpoint and start its engine core (the slow part)."""
     llm = _llm_class()(args.model, **llm_kwargs(args))
-    core = getattr(llm, "core", None)
-    if core is None:
-        from chunklocal.engine.core import EngineCore
-
-        core = EngineCore(llm)
+    core = llm.core
+    core.max_logprobs = args.max_logprobs  # the engine refuses more, the server says 400
     return core
 
 
