@@ -16,7 +16,9 @@ failure makes the exit status 1.
 
 ``--launch DIR`` starts the server itself (``chunklocal serve DIR`` plus ``--serve-args``),
 waits for /health, runs the load and stops it with SIGTERM; ``--make-tiny DIR`` writes the
-tiny CPU checkpoint (random Llama-4 + byte-level BPE tokenizer with a chat template).
+tiny CPU checkpoint (random Llama-4 + byte-level BPE tokenizer with a chat template);
+``--make-scout DIR`` writes benchmarks/engine.py's Scout-shaped random bf16 checkpoint (4
+layers, no tokenizer: texts are empty, tokens are counted) for the GPU.
 """
 
 from __future__ import annotations
@@ -210,12 +212,20 @@ def main(argv=None) -> int:
     p.add_argument("--serve-args", default="", help="more flags for the launched server")
     p.add_argument("--make-tiny", type=Path, default=None,
                    help="write the tiny CPU checkpoint to this directory first")
+    p.add_argument("--make-scout", type=Path, default=None,
+                   help="write the Scout-shaped random checkpoint (GPU) to this directory first")
+    p.add_argument("--scout-max-len", type=int, default=8192,
+                   help="max_position_embeddings of --make-scout")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
         args.clients, args.requests, args.prompt_tokens, args.max_tokens = [1, 4], 8, 16, 8
     if args.make_tiny is not None:
         make_tiny(args.make_tiny)
+    if args.make_scout is not None:
+        from benchmarks.engine import SCOUT, write_random_checkpoint
+
+        write_random_checkpoint(args.make_scout, SCOUT, args.scout_max_len, "cuda")
     proc = None
     if args.launch is not None:
         port = free_port()

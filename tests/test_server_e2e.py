@@ -210,18 +210,35 @@ def test_stop_strings_and_default_max_tokens(server, llm, tmp_path):
     assert out.choices[0].finish_reason == "length"
 
 
-def test_logprobs_match_the_offline_logits(server, llm):
+def test_logprobs_match_the_offline_logits(server, llm, ckpt):
+    """Sampled at temperature 2 (so some tokens are not the argmax): each token's logprob
+    and its top-2 equal log_softmax of the offline engine's logits at that position."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
     client, model = server.client(), server_ckpt(server)
-    ids = [7, 50, 200, 3, 99, 120]
-    out = client.completions.create(model=model, prompt=ids, max_tokens=1, logprobs=3,
-                                    **GREEDY)
-    lp = out.choices[0].logprobs
-    logits = llm.prompt_logits([ids], last_only=True)[0][-1].double()
+    ids, k, new = [7, 50, 200, 3, 99, 120], 2, 12
+    kw = dict(max_tokens=new, temperature=2.0, seed=3)
+    sampled = offline(llm, [ids], ignore_eos=True, **kw)[0].token_ids  # same seed, same tokens
+    logits = llm.prompt_logits([ids + sampled[:-1]])[0][len(ids) - 1:].double()
     ref = torch.log_softmax(logits, -1)
-    top = torch.topk(ref, 3)
-    assert lp.token_logprobs[0] == pytest.approx(float(top.values[0]), abs=1e-4)
-    assert sorted(lp.top_logprobs[0].values(), reverse=True) == pytest.approx(
-        top.values.tolist(), abs=1e-4)
+    assert any(int(ref[i].argmax()) != t for i, t in enumerate(sampled))
+    for stream in (False, True):
+        out = client.completions.create(model=model, prompt=ids, logprobs=k, stream=stream,
+                                        extra_body={"ignore_eos": True}, **kw)
+        if stream:
+            parts = [c.choices[0].logprobs for c in out if c.choices and c.choices[0].logprobs]
+            tokens = [t for p in parts for t in p.tokens]
+            token_lps = [x for p in parts for x in p.token_logprobs]
+            tops = [x for p in parts for x in p.top_logprobs]
+        else:
+            lp = out.choices[0].logprobs
+            tokens, token_lps, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+        assert tokens == [tok.decode([t]) for t in sampled]
+        for i, t in enumerate(sampled):
+            assert token_lps[i] == pytest.approx(float(ref[i, t]), abs=1e-4)
+            assert sorted(tops[i].values(), reverse=True) == pytest.approx(
+                torch.topk(ref[i], k).values.tolist(), abs=1e-4)
 
 
 def test_bad_requests_get_400_and_the_server_keeps_serving(server):
@@ -326,3 +343,21 @@ def test_api_key_queue_limit_and_sigterm(ckpt, tmp_path):
             httpx.get(f"{s.url}/health", timeout=2)
     finally:
         s.stop()
+
+
+def test_load_test_script_against_the_server(server, tmp_path):
+    """benchmarks/serve.py --smoke: every request completes with its full output, streamed
+    texts equal non-streamed ones, and the server's metrics saw the traffic."""
+    from benchmarks import serve
+
+    before = server.metrics()
+    assert serve.main(["--url", server.url, "--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "serve_smoke.json").read_text())
+    assert data["errors"] == []
+    assert [(r["clients"], r["completed"], r["failed"]) for r in data["rows"]] == [(1, 8, 0),
+                                                                                  (4, 8, 0)]
+    after = server.metrics()
+    assert after["chunklocal_generation_tokens_total"] - before[
+        "chunklocal_generation_tokens_total"] >= 2 * 8 * 8
+    assert after["chunklocal_time_to_first_token_seconds_count"] - before[
+        "chunklocal_time_to_first_token_seconds_count"] >= 16
