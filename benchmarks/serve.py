@@ -15,10 +15,12 @@ float32; on a GPU a batch-dependent bf16 tie may differ, so use --verify 0 there
 failure makes the exit status 1.
 
 ``--launch DIR`` starts the server itself (``chunklocal serve DIR`` plus ``--serve-args``),
-waits for /health, runs the load and stops it with SIGTERM; ``--make-tiny DIR`` writes the
-tiny CPU checkpoint (random Llama-4 + byte-level BPE tokenizer with a chat template);
-``--make-scout DIR`` writes benchmarks/engine.py's Scout-shaped random bf16 checkpoint (4
-layers, no tokenizer: texts are empty, tokens are counted) for the GPU.
+waits for /health, runs the load and stops it with SIGTERM.  ``--offline-floor`` then runs
+the same requests through ``LLM.generate`` on the same engine flags: the floor the server's
+throughput is compared with.  ``--make-tiny DIR`` writes the tiny CPU checkpoint (random
+Llama-4 + byte-level BPE tokenizer with a chat template); ``--make-scout DIR`` writes
+benchmarks/engine.py's Scout-shaped random bf16 checkpoint (4 layers, no tokenizer: texts
+are empty, tokens are counted) for the GPU.
 """
 
 from __future__ import annotations
@@ -191,6 +193,32 @@ def summarize(clients, records, wall, max_tokens) -> dict:
             "e2e_p50_s": percentile([r["e2e"] for r in done], 50)}
 
 
+def offline_floor(args, prompts) -> dict:
+    """The same requests through ``LLM.generate`` in this process, all at once, on the
+    engine the server had (its flags parsed by the serve CLI): the throughput the HTTP
+    layer is measured against."""
+    import argparse
+
+    from chunklocal.engine.llm import LLM
+    from chunklocal.engine.sampling import SamplingParams
+    from chunklocal.server import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    served = parser.parse_args([str(args.launch), *shlex.split(args.serve_args)])
+    llm = LLM(args.launch, **serve_cli.llm_kwargs(served))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    done = sum(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
+    llm.core.shutdown()
+    return {"clients": "offline LLM.generate", "requests": len(prompts), "completed": done,
+            "failed": len(prompts) - done, "wall_s": wall, "requests_per_s": done / wall,
+            "output_tokens_per_s": done * args.max_tokens / wall}
+
+
 def main(argv=None) -> int:
     p = base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="running server (default: the launched one)")
@@ -216,6 +244,9 @@ def main(argv=None) -> int:
                    help="write the Scout-shaped random checkpoint (GPU) to this directory first")
     p.add_argument("--scout-max-len", type=int, default=8192,
                    help="max_position_embeddings of --make-scout")
+    p.add_argument("--offline-floor", action="store_true",
+                   help="after the levels, stop the launched server and run the same requests "
+                   "offline (LLM.generate, all at once) on the same engine flags")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
@@ -262,6 +293,11 @@ def _run(args, headers, proc) -> int:
         problems += asyncio.run(verify(args.url, model, headers, prompts, records,
                                        args.max_tokens, args.verify))
         print(format_table([rows[-1]]), flush=True)
+    if args.offline_floor:
+        if proc is None:
+            raise SystemExit("--offline-floor needs --launch (it builds the same engine)")
+        print(f"server stopped with status {stop_server(proc)}; offline floor", flush=True)
+        rows.append(offline_floor(args, prompts))
     print(format_table(rows))
     for line in problems[:20]:
         print("FAILED", line)
