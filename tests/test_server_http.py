@@ -275,3 +275,53 @@ def test_metrics(serve, tokenizer):
     assert "chunklocal_inter_token_latency_seconds_count 2.0" in text
     assert 'chunklocal_request_success_total{finished_reason="length"} 1.0' in text
     assert 'chunklocal_http_errors_total{status="400"} 1.0' in text
+
+
+def test_logprobs_shapes(serve, tokenizer):
+    s = serve(FakeCore(tokenizer))
+    r = s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 3, "logprobs": 1}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"] == [tokenizer.decode([t]) for t in (3, 10, 17)]
+    assert lp["token_logprobs"] == [-1.0] * 3
+    assert lp["top_logprobs"] == [{tokenizer.decode([t]): -1.0} for t in (3, 10, 17)]
+    offsets = [0, len(lp["tokens"][0]), len(lp["tokens"][0]) + len(lp["tokens"][1])]
+    assert lp["text_offset"] == offsets
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = s.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "logprobs": True,
+                                           "top_logprobs": 2}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and [len(c["top_logprobs"]) for c in content] == [2, 2]
+    assert content[0]["top_logprobs"][0]["logprob"] == -1.0
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    chunks = _sse(s.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 2,
+                                                  "logprobs": True, "stream": True}).text)
+    streamed = [c for ch in chunks for choice in ch["choices"] if choice["logprobs"]
+                for c in choice["logprobs"]["content"]]
+    assert [c["token"] for c in streamed] == [c["token"] for c in content]
+    assert all(c["top_logprobs"] == [] for c in streamed)  # top_logprobs unset: 0
+
+
+def test_continuous_usage_and_stop_token_ids_limit(serve, tokenizer):
+    s = serve(FakeCore(tokenizer))
+    chunks = _sse(s.post("/v1/completions", {
+        "prompt": [1, 2], "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).text)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == [1, 2, 3, 4, 4]
+    _error(s.post("/v1/completions", {"prompt": "x", "stop_token_ids": list(range(17))}), 400,
+           "stop_token_ids")
+
+
+def test_chunked_body_over_the_limit(serve, tokenizer):
+    s = serve(FakeCore(tokenizer), limits=ServeLimits(max_request_bytes=1000))
+
+    def body():  # no Content-Length: the server counts while reading
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"x" * 100
+        yield b'"}'
+
+    r = s.client.post("/v1/completions", content=body(),
+                      headers={"content-type": "application/json"})
+    assert _error(r, 400)["code"] == "request_too_large"
+    assert s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200

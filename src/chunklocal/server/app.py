@@ -9,6 +9,7 @@ the server from serving the next one.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import logging
 import uuid
@@ -50,6 +51,7 @@ class ServerState:
         self.core = None
         self.vocab_size: int | None = None
         self.default_max_tokens: int | None = None  # generation_config's max_new_tokens
+        self.decode_tokenizer = None
         self.shutting_down = False
         self.metrics = ServerMetrics(self)
         # Tokenizing a long prompt takes a while: off the event loop, one at a time.
@@ -60,6 +62,9 @@ class ServerState:
         self.vocab_size = getattr(core, "vocab_size", None) or getattr(
             getattr(llm, "config", None), "vocab_size", None)
         self.default_max_tokens = getattr(llm, "default_sampling", {}).get("max_tokens")
+        # The event loop decodes logprob tokens while the tokenize thread encodes: a fast
+        # tokenizer must not be shared by two threads, so the loop gets its own copy.
+        self.decode_tokenizer = copy.deepcopy(core.tokenizer)
         self.core = core
 
     def ready_core(self):
@@ -139,7 +144,7 @@ def build_app(state: ServerState) -> FastAPI:
         kwargs = [params.sampling_kwargs(req, top, len(ids), core.max_model_len,
                                          state.default_max_tokens) for _, ids in prompt_list]
         streams = generate.submit(core, prompt_list, kwargs, rid)
-        tok = responses.TokenText(core.tokenizer)
+        tok = responses.TokenText(state.decode_tokenizer)
         observe = state.metrics.observe
         if req.stream:
             opts = req.stream_options

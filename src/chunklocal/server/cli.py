@@ -219,6 +219,9 @@ def main(args) -> int:
             loading = False
     except _Interrupted:
         core = None
+    except ValueError as err:  # a checked refusal (bad checkpoint or flags): no traceback
+        log.error("could not load %s: %s", args.model, err)
+        server.should_exit, status, core = True, 1, None
     except Exception:  # noqa: BLE001 - reported; the server stops with status 1
         log.exception("could not load %s", args.model)
         server.should_exit, status, core = True, 1, None
