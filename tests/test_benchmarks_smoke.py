@@ -152,3 +152,14 @@ def test_dense_alternatives_match_independent_oracle():
         torch.testing.assert_close(flex_out, expected, rtol=1e-9, atol=1e-9)
         ref, index = dense.reference_rows(d)
         torch.testing.assert_close(ref, expected[index], rtol=1e-9, atol=1e-9)
+
+
+def test_engine_core_smoke(tmp_path):
+    """benchmarks/engine_core.py: step breakdown, sampling cases and the sampler alone."""
+    from benchmarks import engine_core
+
+    assert engine_core.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "engine_core_smoke.json")
+    steps = data["steps"]
+    assert steps["steps"] == 6 and steps["host_ms"] < steps["step_ms"]
+    assert {row["case"] for row in data["sampling"]} >= {"greedy", "seeded_T0.8_top_p0.95"}

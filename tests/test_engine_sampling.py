@@ -194,6 +194,11 @@ def test_bad_requests_name_the_request_and_change_nothing(llm):
     assert len(fits.result().outputs[0].token_ids) == 28
     long = core.add_request([1] * 100, SamplingParams(max_tokens=None, temperature=0.0))
     assert len(long.result().outputs[0].token_ids) == 28  # the room left in max_model_len
+    unset = core.add_request([1] * 120, SamplingParams(temperature=0.0))  # default 16 > 8
+    assert len(unset.result().outputs[0].token_ids) == 8
+    assert unset.result().outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="request r6: prompt of 128 tokens leaves no room"):
+        core.add_request([1] * 128, SamplingParams(), request_id="r6")
     assert core.stats()["num_waiting"] == 0 and core.stats()["kv_usage"] == 0.0
 
 
@@ -228,3 +233,48 @@ def test_queue_full_is_refused_not_hung(ckpt):
         core.add_request([6], SamplingParams(max_tokens=3))
     assert llm.core is not core  # llm.core starts a new one
     assert len(llm.generate([[6]], max_new_tokens=3)[0]) == 3
+
+
+def test_speculative_decoding_leaves_every_kind_of_request_unchanged(ckpt):
+    """k=3 prompt-lookup drafts (plain greedy requests only) against k=0, in one mixed
+    batch: greedy with logprobs, greedy with penalties, seeded sampling, n=2."""
+    path, _ = ckpt
+    rng = random.Random(5)
+    motif = [rng.randrange(512) for _ in range(6)]
+    prompts = [(motif * 8)[:45], (motif * 6)[:33], (motif * 7)[:40], prompts_of([25], 9)[0],
+               (motif * 5)[:28]]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, max_tokens=20, frequency_penalty=-2.0),
+              SamplingParams(temperature=1.0, seed=8, max_tokens=20),
+              SamplingParams(temperature=0.9, seed=2, n=2, max_tokens=20)]
+    kwargs = dict(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=128)
+    k0 = chunklocal.LLM(path, **kwargs).generate(prompts, params)
+    k3_llm = chunklocal.LLM(path, num_speculative_tokens=3, **kwargs)
+    k3 = k3_llm.generate(prompts, params)
+    assert k3_llm.last_stats.accepted_tokens > 0
+    for a, b in zip(k0, k3, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    for x, y in zip(k0[0].outputs[0].logprobs, k3[0].outputs[0].logprobs, strict=True):
+        assert x.keys() == y.keys()
+        assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+@pytest.mark.parametrize("fields, drafted", [
+    (dict(temperature=0.0), True), (dict(temperature=0.0, logprobs=2), True),
+    (dict(temperature=0.0, repetition_penalty=1.2), False),
+    (dict(temperature=0.0, presence_penalty=0.5), False),
+    (dict(temperature=0.0, frequency_penalty=-0.5), False),
+    (dict(temperature=0.7), False), (dict(temperature=0.7, top_k=1), False)])
+def test_only_plain_greedy_requests_are_drafted(fields, drafted):
+    """A verify window's rows share one token history, so a penalty would see the wrong
+    counts and a sampled row would not be a draw: neither is drafted."""
+    from chunklocal.engine.block_manager import BlockManager, KVGroup
+    from chunklocal.engine.scheduler import Scheduler
+    from chunklocal.engine.sequence import Sequence
+    from chunklocal.kv_spec import FullAttentionSpec
+
+    group = KVGroup(FullAttentionSpec(4, 1, 8, torch.float32), 64)
+    scheduler = Scheduler(BlockManager([group], 2, 64), 2, 64, 128, num_speculative_tokens=3)
+    seq = Sequence(0, [1, 2, 3] * 5, SamplingParams(max_tokens=10, **fields), 1)
+    assert bool(scheduler._draft(seq)) == drafted

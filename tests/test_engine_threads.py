@@ -68,3 +68,42 @@ def test_threads_each_get_their_sequential_greedy_outputs(llm, repeat):
     assert got == want
     assert not llm.scheduler.has_work()
     assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+
+
+def test_threads_mixing_generate_prompt_logits_and_sampling(llm):
+    """Threads calling different entry points at once: each result equals its sequential
+    run (logits to 1e-5), and each thread's last_stats is of its own call."""
+    from chunklocal.engine.sampling import SamplingParams
+
+    prompts = [prompts_for(100 + i, count=2 + i % 2) for i in range(6)]
+    seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=15) for i in range(3)]
+
+    def call(i):
+        if i % 3 == 0:
+            return llm.generate(prompts[i], max_new_tokens=12 + i, ignore_eos=True)
+        if i % 3 == 1:
+            return llm.prompt_logits(prompts[i], last_only=i == 4)
+        outs = llm.generate(prompts[i], seeded[:len(prompts[i])])
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = [call(i) for i in range(6)]
+    stats = {}
+
+    def threaded(i):
+        result = call(i)
+        stats[i] = llm.last_stats
+        return result
+
+    got = run_threads(threaded, 6)
+    for i in range(6):
+        if i % 3 == 1:
+            for a, b in zip(got[i], want[i], strict=True):
+                assert a.shape == b.shape
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        else:
+            assert got[i] == want[i], i
+        assert stats[i].requests == len(prompts[i])
+        assert stats[i].prompt_tokens == sum(map(len, prompts[i]))
+        new = {0: 12 + i, 1: 1, 2: 15}[i % 3]
+        assert stats[i].new_tokens == new * len(prompts[i])
+    assert llm.last_stats is None or llm.last_stats.requests  # the main thread's own

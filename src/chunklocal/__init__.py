@@ -36,6 +36,10 @@ _EXPORTS = {
     "MetadataBuffers": "metadata",
     "CapacityError": "metadata",
     "LLM": "engine.llm",
+    "SamplingParams": "engine.sampling",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "EngineCore": "engine.core",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -82,7 +82,9 @@ def prompt_logits(llm, prompts, last_only: bool) -> list[torch.Tensor]:
                                   apply_defaults=False)
                 for i, ids in enumerate(token_lists)]
     _wait(llm, requests, False)
-    return [torch.cat(r.samples[0].seq.captured) for r in requests]
+    # A preempted request recomputes its prompt from position 0: its last pass is whole.
+    return [torch.cat(r.samples[0].seq.captured)[-(1 if last_only else len(ids)):]
+            for r, ids in zip(requests, token_lists, strict=True)]
 
 
 def _wait(llm, requests, use_tqdm) -> None:

@@ -100,12 +100,15 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {rid}: params must be a SamplingParams, got "
                              f"{type(params).__name__}")
+        asked = "max_tokens" in params.fields_set and params.max_tokens is not None
         if apply_defaults:
             params = params.with_defaults(self.llm.default_sampling)
         ids = self._check_prompt(rid, prompt_token_ids)
         room = self.max_model_len - len(ids)
         if capture is None:
-            if params.max_tokens is None:
+            # A max_tokens the caller did not ask for (None, SamplingParams' 16 or the
+            # generation config's) is capped by the room left; one asked for must fit.
+            if not asked and (params.max_tokens is None or params.max_tokens > room):
                 if room < 1:
                     raise ValueError(f"request {rid}: prompt of {len(ids)} tokens leaves no "
                                      f"room in max_model_len {self.max_model_len}")
@@ -239,6 +242,10 @@ class EngineCore:
     def _loop(self):
         from chunklocal.engine.core_step import run_step
 
+        if self.llm.device.type == "cuda":  # the current device is per thread
+            import torch
+
+            torch.cuda.set_device(self.llm.device)
         while True:
             block = not self.scheduler.has_work()
             commands = [self._commands.get()] if block else []

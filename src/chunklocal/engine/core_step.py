@@ -45,19 +45,26 @@ def fail_all(core, err: BaseException) -> None:
 
 
 def _publish(core, batch, out) -> None:
-    touched = {}
-    now = time.monotonic()
+    """Per request that advanced: take its tokens, then finish or publish it, under its
+    stream's lock once (a request of n > 1 samples publishes after all of them)."""
+    multi = {}
+    now, step = time.monotonic(), core.num_steps
     for i, seq in enumerate(batch.seqs):
         req = seq.sample.request
         if req.first_step is None:
-            req.first_step = core.num_steps
-        req.last_step = core.num_steps
+            req.first_step = step
+        req.last_step = step
         if len(out.tokens[i]) == 0:
             continue  # a prefill piece that does not reach the prompt's end
         with req.stream._cond:
             _advance(core, seq.sample, seq, out, i, now)
-        touched[req.request_id] = req
-    for req in touched.values():
+            if len(req.samples) > 1:
+                multi[req.request_id] = req
+            elif seq.sample.finish_reason is not None:
+                core._finish(req)
+            else:
+                req.stream._publish()
+    for req in multi.values():
         with req.stream._cond:
             if req.finished:
                 core._finish(req)

@@ -137,8 +137,9 @@ class SamplingParams:
         return hash(tuple(self.as_dict().items()))
 
     def __repr__(self):
+        normal = _checked(DEFAULTS)
         shown = ", ".join(f"{k}={getattr(self, k)!r}" for k in DEFAULTS
-                          if getattr(self, k) != DEFAULTS[k])
+                          if getattr(self, k) != normal[k])
         return f"SamplingParams({shown})"
 
     def __reduce__(self):

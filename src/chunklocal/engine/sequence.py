@@ -51,6 +51,8 @@ class Sequence:
         #: "all" / "last": the runner keeps this request's prompt logits (prompt_logits).
         self.capture: str | None = None
         self.captured: list = []
+        #: The engine core's Sample this sequence feeds (engine/stream.py).
+        self.sample = None
 
     def __len__(self):
         return len(self.token_ids)

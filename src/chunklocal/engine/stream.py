@@ -99,12 +99,17 @@ class RequestStream:
         self._version = 0
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._abort = None  # set by the engine core: callable(wait: bool)
+        self._done = threading.Event()  # set after the final publish (result() waits here)
+        self._sync_readers = 0  # threads inside __iter__'s wait (skip notify_all without)
 
     # -- writer side (engine loop) ---------------------------------------------------------
     def _publish(self) -> None:
         """Call with ``_cond`` held, after changing the request's state."""
         self._version += 1
-        self._cond.notify_all()
+        if self._request.finished or self._request.error is not None:
+            self._done.set()
+        if self._sync_readers:
+            self._cond.notify_all()
         for loop, event in self._waiters:
             try:
                 loop.call_soon_threadsafe(event.set)
@@ -127,7 +132,11 @@ class RequestStream:
             with self._cond:
                 got = self._take(seen)
                 while got is None:
-                    self._cond.wait()
+                    self._sync_readers += 1
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._sync_readers -= 1
                     got = self._take(seen)
             seen, snapshot, done = got
             yield snapshot
@@ -158,11 +167,13 @@ class RequestStream:
                 self.abort(wait=False)  # reader gone before the end
 
     def result(self) -> RequestOutput:
-        """Block until the request finishes; its final snapshot."""
-        snapshot = None
-        for snapshot in self:  # noqa: B007 - the last one is the answer
-            pass
-        return snapshot
+        """Block until the request finishes; its final snapshot (or raise its error).
+        Waits without building the snapshots in between."""
+        self._done.wait()
+        with self._cond:
+            if self._request.error is not None:
+                raise self._request.error
+            return self._request.snapshot()
 
     @property
     def finished(self) -> bool:
