@@ -96,6 +96,8 @@ class FakeStream:
                     yield self._snapshot(k - 1, "abort")
                     return
                 await asyncio.sleep(core.step_s)
+                if core.fail_at is not None and k == core.fail_at and self.ids[0] == 2:
+                    raise RuntimeError("step failed")  # only prompts starting with 2 fail
                 reason = "length" if k == self.params.max_tokens else None
                 self.done = reason is not None
                 yield self._snapshot(k, reason)
@@ -108,6 +110,7 @@ class FakeCore:
                  step_s=0.001):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.max_waiting, self.step_s = max_waiting, step_s
+        self.fail_at: int | None = None  # token at which streams of prompts [2, ...] raise
         self.model_name = "fake"
         self.gate = threading.Event()
         self.gate.set()

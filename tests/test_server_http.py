@@ -325,3 +325,17 @@ def test_chunked_body_over_the_limit(serve, tokenizer):
                       headers={"content-type": "application/json"})
     assert _error(r, 400)["code"] == "request_too_large"
     assert s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("prompt", [[2, 5], [[1, 5], [2, 5]]])
+def test_engine_failure_is_reported_not_truncated(serve, tokenizer, prompt):
+    core = FakeCore(tokenizer)
+    core.fail_at = 3
+    s = serve(core)
+    body = {"prompt": prompt, "max_tokens": 6}
+    err = _error(s.post("/v1/completions", body), 500)
+    assert "step failed" in err["message"]
+    text = s.post("/v1/completions", {**body, "stream": True}).text
+    events = [e[len("data: "):] for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]" and "step failed" in json.loads(events[-2])["error"]["message"]
+    assert s.client.get("/health").status_code == 200

@@ -158,6 +158,10 @@ def build_app(state: ServerState) -> FastAPI:
             finals = await generate.collect(request, streams, observe)
         except asyncio.CancelledError:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        except Exception as err:  # a failed engine step fails its requests: say so
+            log.exception("request %s failed in the engine", rid)
+            raise APIError(f"generation failed: {type(err).__name__}: {err}", status=500,
+                           code="engine_error") from err
         body = (responses.chat_response(rid, model, finals[0], tok, top) if chat
                 else responses.completion_response(rid, model, finals, req.n, tok, top))
         return Response(body.model_dump_json(), media_type="application/json")

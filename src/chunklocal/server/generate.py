@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 
 from chunklocal.server.protocol import APIError
+
+log = logging.getLogger("chunklocal.server")
 
 
 def sampling_params_class():
@@ -55,12 +58,20 @@ def submit(core, prompts, kwargs_per_prompt, request_id: str):
             raise APIError(f"the server is busy: {err}", status=503,
                            code="queue_full", type="service_unavailable") from err
         if isinstance(err, ValueError):
-            raise APIError(str(err), param="prompt") from err
+            raise APIError(str(err), param=_field_in(str(err))) from err
         if isinstance(err, RuntimeError) and getattr(core, "closed", False):
             raise APIError("the server is shutting down", status=503,
                            code="shutting_down") from err
         raise
     return streams
+
+
+def _field_in(message: str) -> str:
+    """The request field an engine refusal is about ("request X: logprobs 25 exceeds ...")."""
+    for name in ("stop_token_ids", "logprobs", "stop", "max_tokens"):
+        if name in message:
+            return name
+    return "prompt"
 
 
 def _param_named_in(message: str, kwargs: dict) -> str | None:
@@ -117,8 +128,9 @@ async def merged(streams, observe):
         try:
             async for out in observe(s.aiter()):
                 await queue.put((i, out))
-        finally:
             await queue.put((i, done))
+        except Exception as err:  # noqa: BLE001 - a failed step: re-raised by the reader
+            await queue.put((i, err))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -127,6 +139,8 @@ async def merged(streams, observe):
             i, out = await queue.get()
             if out is done:
                 remaining -= 1
+            elif isinstance(out, Exception):
+                raise out
             else:
                 yield i, out
     finally:
@@ -147,6 +161,7 @@ async def sse(streams, state, observe, opening=()):
             yield chunk
         finished = True
     except Exception as err:  # the engine failed mid-stream: say so in the stream
+        log.exception("a streamed request failed in the engine")
         body = APIError(f"generation failed: {type(err).__name__}: {err}", status=500).body()
         yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
     finally:
