@@ -85,22 +85,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access-log line per request")
     g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="default info")
     e = p.add_argument_group("engine (LLM arguments)")
     e.add_argument("--device", default="auto",
                    help="'cuda', 'cpu', ... (default auto: cuda when available)")
     e.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16 or float16 (default auto)")
-    e.add_argument("--max-num-seqs", type=_positive, default=256)
-    e.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
+    e.add_argument("--max-num-seqs", type=_positive, default=256,
+                   help="requests per step (default 256)")
+    e.add_argument("--max-num-batched-tokens", type=_positive, default=8192,
+                   help="query tokens per step, drafts included (default 8192)")
     e.add_argument("--max-model-len", type=_positive, default=None,
                    help="prompt + new tokens per request (default: max_position_embeddings)")
-    e.add_argument("--block-size", type=_positive, default=16)
+    e.add_argument("--block-size", type=_positive, default=16,
+                   help="tokens per KV page (default 16)")
     e.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
                    type=_positive, default=None,
                    help="KV pages in the global group (default: sized from memory)")
     e.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "torch", "flashinfer"])
+                   choices=["auto", "torch", "flashinfer"],
+                   help="auto: flashinfer on cuda, torch on the cpu (default auto)")
     e.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false",
                    help="no CUDA graphs")
     e.add_argument("--disable-hybrid-kv-cache-manager", dest="hybrid_kv_cache",
