@@ -56,7 +56,7 @@ _positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from chunklocal.server.params import ServeLimits
+    from chunklocal.server.limits import ServeLimits
 
     lim = ServeLimits()
     p.add_argument("model", help="checkpoint directory (config.json + *.safetensors, "
@@ -140,6 +140,13 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
         if name not in accepted and getattr(args, LLM_FLAGS[name]) != default:
             flag = "--" + name.replace("_", "-")
             parser.error(f"{flag} needs an LLM with {name}; this build has none")
+    try:
+        from chunklocal.models.loader import LOAD_FORMATS
+    except ImportError:  # an engine without the checkpoint loader's formats
+        LOAD_FORMATS = ("auto",)  # noqa: N806
+    if args.load_format not in LOAD_FORMATS:
+        parser.error(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got "
+                     f"{args.load_format!r}")
 
 
 def _llm_class():
@@ -176,7 +183,7 @@ def main(args) -> int:
         import uvicorn
 
         from chunklocal.server.app import ServerConfig, ServerState, build_app
-        from chunklocal.server.params import ServeLimits
+        from chunklocal.server.limits import ServeLimits
     except ImportError as err:
         raise SystemExit(f"chunklocal serve needs the web packages ({err.name} is missing): "
                          "pip install 'chunklocal[serve]'") from err
