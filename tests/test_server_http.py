@@ -339,3 +339,11 @@ def test_engine_failure_is_reported_not_truncated(serve, tokenizer, prompt):
     events = [e[len("data: "):] for e in text.split("\n\n") if e]
     assert events[-1] == "[DONE]" and "step failed" in json.loads(events[-2])["error"]["message"]
     assert s.client.get("/health").status_code == 200
+
+
+def test_default_body_limit_follows_max_model_len():
+    assert ServeLimits().body_limit(None) == 4 << 20
+    assert ServeLimits().body_limit(1 << 20) == 16 << 20  # a 1M-token prompt fits
+    assert ServeLimits(max_request_bytes=10).body_limit(1 << 20) == 10
+    ids = list(range(200_000, 200_000 + 1000))  # the longest ids of a 202k vocabulary
+    assert len(json.dumps({"prompt": ids * 1024})) < ServeLimits().body_limit(1024 * 1000)

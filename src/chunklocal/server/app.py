@@ -130,7 +130,8 @@ def build_app(state: ServerState) -> FastAPI:
         return req.model
 
     async def prepare(request: Request, cls):
-        req = await _read(request, cls, cfg.limits.max_request_bytes)
+        limit = cfg.limits.body_limit(getattr(state.core, "max_model_len", None))
+        req = await _read(request, cls, limit)
         core = state.ready_core()
         model = model_of(req)
         params.check_fields(req)

@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
     g.add_argument("--max-request-bytes", type=_positive, default=lim.max_request_bytes,
-                   help=f"largest request body (default {lim.max_request_bytes})")
+                   help="largest request body (default: 16 bytes per token of max_model_len, "
+                   "at least 4 MiB)")
     g.add_argument("--max-n", type=_positive, default=lim.max_n,
                    help=f"largest n per request (default {lim.max_n})")
     g.add_argument("--max-logprobs", type=_non_negative, default=lim.max_logprobs,
