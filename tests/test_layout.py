@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "chunklocal"
 MAX_LINES = 350
 
 # Floors, top to bottom: a module may import its own floor or any floor below it.
-FLOORS = [("chunklocal.engine", "chunklocal.cli"), ("chunklocal.models",),
+FLOORS = [("chunklocal.cli", "chunklocal.server"), ("chunklocal.engine",), ("chunklocal.models",),
           ("chunklocal.backends",), ("chunklocal.bounds", "chunklocal.reference"),
           ("chunklocal.virtual_batches", "chunklocal.kv_spec"), ("chunklocal._validate",)]
 

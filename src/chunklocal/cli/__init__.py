@@ -10,11 +10,13 @@ import argparse
 from chunklocal import __version__
 from chunklocal.bounds import verify as verify_bounds
 from chunklocal.cli import demo, plan
+from chunklocal.server import cli as serve
 
 # subcommand -> (module, one-line help)
 COMMANDS = {
     "demo": (demo, "run the reporter's 36000-token scenario end to end"),
     "plan": (plan, "print buffer sizes for an engine configuration"),
+    "serve": (serve, "OpenAI-compatible HTTP server for a checkpoint"),
     "verify-bounds": (verify_bounds, "check the closed-form bounds against brute force"),
 }
 

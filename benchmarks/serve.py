@@ -1,0 +1,313 @@
+"""Load test of ``chunklocal serve``: N concurrent streaming clients on localhost.
+
+Each client sends /v1/completions requests one after another (token-id prompts, greedy,
+``ignore_eos``, ``max_tokens`` fixed, ``stream: true`` with vLLM's
+``continuous_usage_stats`` so every chunk says how many tokens it carries) until the
+request count (``--requests``) or the time (``--duration``) runs out.  For each level of
+``--clients`` it reports requests/s, output tokens/s, time to first token (TTFT: request
+sent -> first chunk with a token) and inter-token latency (ITL: gap between chunks, divided
+by the tokens the later chunk carries) at p50 and p99.
+
+Nothing lost: every request must end with finish_reason "length" after exactly
+``max_tokens`` tokens, counted chunk by chunk and in the final usage; ``--verify K``
+re-sends K of the prompts without streaming and requires the same text (exact on the CPU in
+float32; on a GPU a batch-dependent bf16 tie may differ, so use --verify 0 there).  Any
+failure makes the exit status 1.
+
+``--launch DIR`` starts the server itself (``chunklocal serve DIR`` plus ``--serve-args``),
+waits for /health, runs the load and stops it with SIGTERM.  ``--offline-floor`` then runs
+the same requests through ``LLM.generate`` on the same engine flags: the floor the server's
+throughput is compared with.  ``--make-tiny DIR`` writes the tiny CPU checkpoint (random
+Llama-4 + byte-level BPE tokenizer with a chat template); ``--make-scout DIR`` writes
+benchmarks/engine.py's Scout-shaped random bf16 checkpoint (4 layers, no tokenizer: texts
+are empty, tokens are counted) for the GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import base_parser, format_table, write_json
+
+_SERVE = "import sys; from chunklocal.cli import main; sys.exit(main())"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(model_dir, port: int, args=(), env=None, log=None) -> subprocess.Popen:
+    """``chunklocal serve model_dir --port port *args`` as a child process."""
+    cmd = [sys.executable, "-c", _SERVE, "serve", str(model_dir), "--port", str(port), *args]
+    return subprocess.Popen(cmd, env=env, stdout=log or subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before /health")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url}/health not 200 after {timeout} s")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout)
+
+
+def make_tiny(path: Path, vocab_size: int = 384) -> None:
+    """The tests' tiny model and tokenizer (tests/llama4_tiny.py, tests/tiny_tokenizer.py)."""
+    from tests.llama4_tiny import write_tiny_llama4
+    from tests.tiny_tokenizer import write_tiny_tokenizer
+
+    write_tiny_llama4(path, vocab_size=vocab_size)
+    write_tiny_tokenizer(path, vocab_size=vocab_size)
+
+
+def percentile(values, q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def _one(client, body: dict) -> dict:
+    """Send one streaming request; return its timings, text and token counts."""
+    rec = {"ttft": None, "itl": [], "tokens": 0, "text": "", "finish": None, "usage": None,
+           "error": None}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["error"] = chunk["error"]["message"]
+                    continue
+                now = time.perf_counter()
+                if not chunk["choices"]:  # the include_usage chunk
+                    rec["usage"] = chunk["usage"]["completion_tokens"]
+                    continue
+                choice = chunk["choices"][0]
+                new = chunk["usage"]["completion_tokens"] - rec["tokens"]
+                if new > 0:
+                    if rec["tokens"] == 0:
+                        rec["ttft"] = now - start
+                    else:
+                        rec["itl"].extend([(now - last) / new] * new)
+                    rec["tokens"] += new
+                    last = now
+                rec["text"] += choice["text"]
+                rec["finish"] = choice["finish_reason"] or rec["finish"]
+    except Exception as err:  # noqa: BLE001 - recorded as a failed request
+        rec["error"] = f"{type(err).__name__}: {err}"
+    rec["e2e"] = time.perf_counter() - start
+    return rec
+
+
+def _problem(rec: dict, max_tokens: int) -> str | None:
+    if rec["error"]:
+        return rec["error"]
+    if rec["finish"] != "length" or rec["tokens"] != max_tokens or rec["usage"] != max_tokens:
+        return (f"incomplete: finish_reason {rec['finish']}, {rec['tokens']} streamed tokens, "
+                f"usage {rec['usage']}, expected {max_tokens}")
+    return None
+
+
+async def run_level(url, model, headers, prompts, clients, max_tokens, duration, timeout):
+    import httpx
+
+    bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+               "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+              for p in prompts]
+    records: list[tuple[int, dict]] = []
+    next_index = iter(range(len(bodies)))
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
+                                 limits=limits) as client:
+        start = time.perf_counter()
+
+        async def worker():
+            for i in next_index:
+                if time.perf_counter() - start > duration:
+                    return
+                records.append((i, await _one(client, bodies[i])))
+
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    return records, wall
+
+
+async def verify(url, model, headers, prompts, records, max_tokens, k) -> list[str]:
+    """Re-send k of the streamed prompts without streaming: the texts must match."""
+    import httpx
+
+    problems = []
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
+        for i, rec in records[:k]:
+            body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens,
+                    "temperature": 0.0, "ignore_eos": True}
+            got = (await client.post("/v1/completions", json=body)).json()
+            text = got["choices"][0]["text"] if "choices" in got else got
+            if text != rec["text"]:
+                problems.append(f"prompt {i}: streamed {rec['text'][:60]!r} != "
+                                f"non-streamed {str(text)[:60]!r}")
+    return problems
+
+
+def summarize(clients, records, wall, max_tokens) -> dict:
+    done = [r for _, r in records if _problem(r, max_tokens) is None]
+    ttft = [r["ttft"] for r in done]
+    itl = [g for r in done for g in r["itl"]]
+    return {"clients": clients, "requests": len(records), "completed": len(done),
+            "failed": len(records) - len(done), "wall_s": wall,
+            "requests_per_s": len(done) / wall,
+            "output_tokens_per_s": len(done) * max_tokens / wall,
+            "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+            "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
+            "e2e_p50_s": percentile([r["e2e"] for r in done], 50)}
+
+
+def offline_floor(args, prompts) -> dict:
+    """The same requests through ``LLM.generate`` in this process, all at once, on the
+    engine the server had (its flags parsed by the serve CLI): the throughput the HTTP
+    layer is measured against."""
+    import argparse
+
+    from chunklocal.engine.llm import LLM
+    from chunklocal.engine.sampling import SamplingParams
+    from chunklocal.server import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    served = parser.parse_args([str(args.launch), *shlex.split(args.serve_args)])
+    llm = LLM(args.launch, **serve_cli.llm_kwargs(served))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    done = sum(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
+    llm.core.shutdown()
+    return {"clients": "offline LLM.generate", "requests": len(prompts), "completed": done,
+            "failed": len(prompts) - done, "wall_s": wall, "requests_per_s": done / wall,
+            "output_tokens_per_s": done * args.max_tokens / wall}
+
+
+def main(argv=None) -> int:
+    p = base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--url", default=None, help="running server (default: the launched one)")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32],
+                   help="concurrency levels, run one after another")
+    p.add_argument("--requests", type=int, default=64, help="requests per level")
+    p.add_argument("--duration", type=float, default=120.0,
+                   help="seconds per level after which no new request starts")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-token-id", type=int, default=255,
+                   help="prompt ids are drawn from [0, this] (any vocabulary has them)")
+    p.add_argument("--verify", type=int, default=4,
+                   help="re-send this many prompts without streaming and compare texts")
+    p.add_argument("--launch", type=Path, default=None, help="start `chunklocal serve DIR`")
+    p.add_argument("--serve-args", default="", help="more flags for the launched server")
+    p.add_argument("--make-tiny", type=Path, default=None,
+                   help="write the tiny CPU checkpoint to this directory first")
+    p.add_argument("--make-scout", type=Path, default=None,
+                   help="write the Scout-shaped random checkpoint (GPU) to this directory first")
+    p.add_argument("--scout-max-len", type=int, default=8192,
+                   help="max_position_embeddings of --make-scout")
+    p.add_argument("--offline-floor", action="store_true",
+                   help="after the levels, stop the launched server and run the same requests "
+                   "offline (LLM.generate, all at once) on the same engine flags")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.clients, args.requests, args.prompt_tokens, args.max_tokens = [1, 4], 8, 16, 8
+    if args.make_tiny is not None:
+        make_tiny(args.make_tiny)
+    if args.make_scout is not None:
+        from benchmarks.engine import SCOUT, write_random_checkpoint
+
+        write_random_checkpoint(args.make_scout, SCOUT, args.scout_max_len, "cuda")
+    proc = None
+    if args.launch is not None:
+        port = free_port()
+        args.url = f"http://127.0.0.1:{port}"
+        proc = launch_server(args.launch, port, ["--disable-uvicorn-access-log",
+                                                 *shlex.split(args.serve_args)])
+    if args.url is None:
+        p.error("give --url of a running server, or --launch DIR")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        return _run(args, headers, proc)
+    finally:
+        if proc is not None and proc.poll() is None:
+            print(f"server stopped with status {stop_server(proc)}", flush=True)
+
+
+def _run(args, headers, proc) -> int:
+    import httpx
+
+    wait_healthy(args.url, proc)
+    model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers).json()[
+        "data"][0]["id"]
+    rng = random.Random(args.seed)
+    n = args.requests
+    prompts = [[rng.randint(0, args.max_token_id) for _ in range(args.prompt_tokens)]
+               for _ in range(n)]
+    rows, problems = [], []
+    for clients in args.clients:
+        records, wall = asyncio.run(run_level(args.url, model, headers, prompts, clients,
+                                              args.max_tokens, args.duration, args.timeout))
+        rows.append(summarize(clients, records, wall, args.max_tokens))
+        problems += [f"{clients} clients, prompt {i}: {_problem(r, args.max_tokens)}"
+                     for i, r in records if _problem(r, args.max_tokens) is not None]
+        problems += asyncio.run(verify(args.url, model, headers, prompts, records,
+                                       args.max_tokens, args.verify))
+        print(format_table([rows[-1]]), flush=True)
+    if args.offline_floor:
+        if proc is None:
+            raise SystemExit("--offline-floor needs --launch (it builds the same engine)")
+        print(f"server stopped with status {stop_server(proc)}; offline floor", flush=True)
+        rows.append(offline_floor(args, prompts))
+    print(format_table(rows))
+    for line in problems[:20]:
+        print("FAILED", line)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    path = write_json("serve_smoke" if args.smoke else "serve",
+                      {"config": config, "rows": rows, "errors": problems}, args.out)
+    print(f"wrote {path}; {'FAILED' if problems else 'all'} requests complete"
+          + (f" ({len(problems)} problems)" if problems else ""))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The OpenAI-compatible HTTP app (FastAPI): /v1/models, /v1/completions,
+/v1/chat/completions, /health and /metrics.
+
+The app answers from the moment it listens; until the engine is loaded /health and /v1
+answer 503.  Every refusal is OpenAI's error JSON, and nothing a request does can stop
+the server from serving the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chunklocal.server import generate, params, prompts, responses
+from chunklocal.server.metrics import ServerMetrics
+from chunklocal.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+log = logging.getLogger("chunklocal.server")
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    model_path: str = ""
+    api_key: str | None = None
+    limits: params.ServeLimits = field(default_factory=params.ServeLimits)
+
+
+class ServerState:
+    """What the routes share: the engine core (None until loaded) and the metrics."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.core = None
+        self.vocab_size: int | None = None
+        self.default_max_tokens: int | None = None  # generation_config's max_new_tokens
+        self.decode_tokenizer = None
+        self.shutting_down = False
+        self.metrics = ServerMetrics(self)
+        # Tokenizing a long prompt takes a while: off the event loop, one at a time.
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="chunklocal-tokenize")
+
+    def set_core(self, core) -> None:
+        llm = getattr(core, "llm", None)
+        self.vocab_size = getattr(core, "vocab_size", None) or getattr(
+            getattr(llm, "config", None), "vocab_size", None)
+        self.default_max_tokens = getattr(llm, "default_sampling", {}).get("max_tokens")
+        # The event loop decodes logprob tokens while the tokenize thread encodes: a fast
+        # tokenizer must not be shared by two threads, so the loop gets its own copy.
+        self.decode_tokenizer = copy.deepcopy(core.tokenizer)
+        self.core = core
+
+    def ready_core(self):
+        if self.shutting_down:
+            raise APIError("the server is shutting down", status=503, code="shutting_down")
+        if self.core is None:
+            raise APIError("the model is still loading", status=503, code="model_loading")
+        return self.core
+
+
+class _AuthMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware: it would hide client disconnects from streams)."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if (self.expected is not None and scope["type"] == "http"
+                and scope["path"].startswith("/v1")):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                err = APIError("missing or wrong API key: send 'Authorization: Bearer KEY'",
+                               status=401, code="invalid_api_key", type="invalid_request_error")
+                await JSONResponse(err.body(), status_code=401,
+                                   headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _read(request: Request, cls, limit: int):
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(f"request body of {declared} bytes exceeds the limit of {limit} bytes "
+                       "(--max-request-bytes)", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(f"request body exceeds the limit of {limit} bytes "
+                           "(--max-request-bytes)", code="request_too_large")
+    try:
+        return cls.model_validate_json(bytes(body))
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"] if p not in ("str", "int", "list[int]"))
+        shown = repr(first.get("input"))[:80] if first["type"] != "json_invalid" else ""
+        raise APIError(f"invalid request body: {loc or 'body'}: {first['msg']}"
+                       + (f", got {shown}" if shown else ""), param=loc or None) from err
+
+
+def build_app(state: ServerState) -> FastAPI:
+    cfg = state.config
+    app = FastAPI(title="chunklocal", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    def model_of(req) -> str:
+        if req.model is None:
+            return cfg.served_model_names[0]
+        if req.model not in cfg.served_model_names:
+            raise APIError(f"model {req.model!r} is not served here (served: "
+                           f"{', '.join(cfg.served_model_names)})", param="model",
+                           code="model_not_found")
+        return req.model
+
+    async def prepare(request: Request, cls):
+        limit = cfg.limits.body_limit(getattr(state.core, "max_model_len", None))
+        req = await _read(request, cls, limit)
+        core = state.ready_core()
+        model = model_of(req)
+        params.check_fields(req)
+        top = params.check_limits(req, cfg.limits)
+        return req, core, model, top
+
+    async def tokenize(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, *args)
+
+    async def answer(request, req, core, model, top, prompt_list, rid, chat):
+        kwargs = [params.sampling_kwargs(req, top, len(ids), core.max_model_len,
+                                         state.default_max_tokens) for _, ids in prompt_list]
+        streams = generate.submit(core, prompt_list, kwargs, rid)
+        tok = responses.TokenText(state.decode_tokenizer)
+        observe = state.metrics.observe
+        if req.stream:
+            opts = req.stream_options
+            st = responses.StreamState(chat, rid, model, req.n, tok, top,
+                                       bool(opts and opts.include_usage),
+                                       bool(opts and opts.continuous_usage_stats))
+            opening = st.role_chunks(req.n) if chat else ()
+            return StreamingResponse(generate.sse(streams, st, observe, opening),
+                                     media_type="text/event-stream")
+        try:
+            finals = await generate.collect(request, streams, observe)
+        except asyncio.CancelledError:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        except Exception as err:  # a failed engine step fails its requests: say so
+            log.exception("request %s failed in the engine", rid)
+            raise APIError(f"generation failed: {type(err).__name__}: {err}", status=500,
+                           code="engine_error") from err
+        body = (responses.chat_response(rid, model, finals[0], tok, top) if chat
+                else responses.completion_response(rid, model, finals, req.n, tok, top))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req, core, model, top = await prepare(request, CompletionRequest)
+        prompt_list = await tokenize(prompts.completion_prompts, req, core.tokenizer,
+                                     state.vocab_size, cfg.limits)
+        return await answer(request, req, core, model, top, prompt_list,
+                            f"cmpl-{uuid.uuid4().hex}", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req, core, model, top = await prepare(request, ChatCompletionRequest)
+        text, ids = await tokenize(prompts.chat_prompt, req, core.tokenizer, state.vocab_size)
+        return await answer(request, req, core, model, top, [(text, ids)],
+                            f"chatcmpl-{uuid.uuid4().hex}", chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        max_len = getattr(state.core, "max_model_len", None)
+        cards = [ModelCard(id=name, root=cfg.model_path, max_model_len=max_len)
+                 for name in cfg.served_model_names]
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health():
+        if state.core is None or state.shutting_down:
+            reason = "shutting down" if state.shutting_down else "loading"
+            return JSONResponse({"status": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        state.metrics.http_errors.labels(str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        state.metrics.http_errors.labels(str(err.status_code)).inc()
+        body = APIError(str(err.detail), status=err.status_code).body()
+        return JSONResponse(body, status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        state.metrics.http_errors.labels("500").inc()
+        body = APIError(f"internal error: {type(err).__name__}: {err}", status=500).body()
+        return JSONResponse(body, status_code=500)
+
+    app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
+    return app

@@ -1,0 +1,261 @@
+"""``chunklocal serve MODEL``: the OpenAI-compatible server on uvicorn.
+
+Every ``LLM`` argument has a flag (``LLM_FLAGS``; a test checks the list against
+``LLM.__init__``).  The server listens at once (uvicorn in a thread) while the main
+thread loads the model: /health answers 503 until the engine is ready, then 200.
+SIGTERM / SIGINT abort every running and waiting request (their responses end with
+finish_reason "abort"), let the responses finish, and exit with status 0 (a signal during
+loading stops the load); a second SIGINT forces the exit.
+
+This module imports only argparse at load time, so other subcommands stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import os
+import signal
+import threading
+
+API_KEY_ENV = "CHUNKLOCAL_API_KEY"
+_GRACE_S = 30  # after SIGTERM, responses still open this long are cut
+
+# LLM keyword argument -> argparse dest of its flag.
+LLM_FLAGS = {
+    "device": "device", "dtype": "dtype", "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
+    "block_size": "block_size", "num_kv_blocks": "num_kv_blocks",
+    "attention_backend": "attention_backend", "cuda_graphs": "cuda_graphs",
+    "hybrid_kv_cache": "hybrid_kv_cache", "num_speculative_tokens": "num_speculative_tokens",
+    "seed": "seed", "generation_config": "generation_config",
+    "max_waiting_requests": "max_waiting_requests", "load_format": "load_format",
+}
+# Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
+_DEFAULTS_IF_ABSENT = {"load_format": "auto"}
+
+log = logging.getLogger("chunklocal.server")
+
+
+def _int_at_least(lowest: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lowest:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {text!r}")
+        return value
+
+    parse.__name__ = "positive int" if lowest == 1 else "int >= 0"
+    return parse
+
+
+_positive, _non_negative = _int_at_least(1), _int_at_least(0)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from chunklocal.server.limits import ServeLimits
+
+    lim = ServeLimits()
+    p.add_argument("model", help="checkpoint directory (config.json + *.safetensors, "
+                   "tokenizer files for text prompts and chat)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 serves beyond "
+                   "this machine: an explicit choice)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model names the API accepts (default: MODEL as given); responses "
+                   "use the first")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
+    g.add_argument("--max-request-bytes", type=_positive, default=lim.max_request_bytes,
+                   help="largest request body (default: 16 bytes per token of max_model_len, "
+                   "at least 4 MiB)")
+    g.add_argument("--max-n", type=_positive, default=lim.max_n,
+                   help=f"largest n per request (default {lim.max_n})")
+    g.add_argument("--max-logprobs", type=_non_negative, default=lim.max_logprobs,
+                   help=f"largest logprobs / top_logprobs (default {lim.max_logprobs})")
+    g.add_argument("--max-stop", type=_non_negative, default=lim.max_stop,
+                   help=f"most stop strings, and most stop_token_ids (default {lim.max_stop})")
+    g.add_argument("--max-prompts", type=_positive, default=lim.max_prompts,
+                   help=f"most prompts in one /v1/completions request (default "
+                   f"{lim.max_prompts})")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access-log line per request")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="default info")
+    e = p.add_argument_group("engine (LLM arguments)")
+    e.add_argument("--device", default="auto",
+                   help="'cuda', 'cpu', ... (default auto: cuda when available)")
+    e.add_argument("--dtype", default="auto",
+                   help="auto, float32, bfloat16 or float16 (default auto)")
+    e.add_argument("--max-num-seqs", type=_positive, default=256,
+                   help="requests per step (default 256)")
+    e.add_argument("--max-num-batched-tokens", type=_positive, default=8192,
+                   help="query tokens per step, drafts included (default 8192)")
+    e.add_argument("--max-model-len", type=_positive, default=None,
+                   help="prompt + new tokens per request (default: max_position_embeddings)")
+    e.add_argument("--block-size", type=_positive, default=16,
+                   help="tokens per KV page (default 16)")
+    e.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
+                   type=_positive, default=None,
+                   help="KV pages in the global group (default: sized from memory)")
+    e.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "flashinfer"],
+                   help="auto: flashinfer on cuda, torch on the cpu (default auto)")
+    e.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false",
+                   help="no CUDA graphs")
+    e.add_argument("--disable-hybrid-kv-cache-manager", dest="hybrid_kv_cache",
+                   action="store_false",
+                   help="one merged KV group that keeps every page (default: separate "
+                   "global and chunked groups)")
+    e.add_argument("--num-speculative-tokens", type=_non_negative, default=0,
+                   help="prompt-lookup draft length k (default 0)")
+    e.add_argument("--load-format", default="auto", help="checkpoint format (default auto)")
+    e.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    e.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
+                   help="auto: sampling fields a request leaves unset take the checkpoint's "
+                   "generation_config.json; none (or vllm): vLLM's defaults; a directory: "
+                   "its generation_config.json (default auto)")
+    e.add_argument("--max-waiting-requests", type=_positive, default=None,
+                   help="requests allowed to wait for a slot; past it the server answers 503 "
+                   "(default: no limit)")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args) -> None:
+    from pathlib import Path
+
+    if not (Path(args.model) / "config.json").is_file():
+        parser.error(f"MODEL must be a checkpoint directory with config.json; "
+                     f"{args.model!r} has none")
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    if args.api_key == "":
+        parser.error(f"--api-key (or ${API_KEY_ENV}) is empty")
+    accepted = inspect.signature(_llm_class().__init__).parameters
+    for name, default in _DEFAULTS_IF_ABSENT.items():
+        if name not in accepted and getattr(args, LLM_FLAGS[name]) != default:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} needs an LLM with {name}; this build has none")
+    try:
+        from chunklocal.models.loader import LOAD_FORMATS
+    except ImportError:  # an engine without the checkpoint loader's formats
+        LOAD_FORMATS = ("auto",)  # noqa: N806
+    if args.load_format not in LOAD_FORMATS:
+        parser.error(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got "
+                     f"{args.load_format!r}")
+
+
+def _llm_class():
+    from chunklocal.engine.llm import LLM
+
+    return LLM
+
+
+def llm_kwargs(args) -> dict:
+    """Keyword arguments for LLM(args.model, ...): every flag the LLM accepts."""
+    accepted = inspect.signature(_llm_class().__init__).parameters
+    kwargs = {name: getattr(args, dest) for name, dest in LLM_FLAGS.items() if name in accepted}
+    if kwargs.get("device") == "auto":
+        import torch
+
+        kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    return kwargs
+
+
+def make_core(args):
+    """Load the checkpoint and start its engine core (the slow part)."""
+    llm = _llm_class()(args.model, **llm_kwargs(args))
+    core = llm.core
+    core.max_logprobs = args.max_logprobs  # the engine refuses more, the server says 400
+    return core
+
+
+class _Interrupted(BaseException):
+    """A signal arrived while the model was loading: stop loading."""
+
+
+def main(args) -> int:
+    try:
+        import uvicorn
+
+        from chunklocal.server.app import ServerConfig, ServerState, build_app
+        from chunklocal.server.limits import ServeLimits
+    except ImportError as err:
+        raise SystemExit(f"chunklocal serve needs the web packages ({err.name} is missing): "
+                         "pip install 'chunklocal[serve]'") from err
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    limits = ServeLimits(args.max_request_bytes, args.max_n, args.max_logprobs, args.max_stop,
+                         max_prompts=args.max_prompts)
+    state = ServerState(ServerConfig(args.served_model_name or [args.model], str(args.model),
+                                     args.api_key, limits))
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+        lifespan="off", access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=_GRACE_S))
+    # uvicorn runs in a thread (it installs no signal handlers there); the main thread
+    # loads the model and handles signals.  Loading in a thread that then exits would
+    # leave its OpenMP team spinning and slow every CPU step many times over.
+    web = threading.Thread(target=server.run, name="chunklocal-http", daemon=True)
+
+    def on_signal(sig, frame):
+        first = not state.shutting_down
+        state.shutting_down = True  # /health and new requests: 503
+        core = state.core
+        if first and core is not None:
+            # Running requests end with finish_reason "abort"; their responses complete,
+            # then uvicorn stops.  Not in the handler: shutdown joins the loop thread.
+            threading.Thread(target=core.shutdown, name="chunklocal-stop", daemon=True).start()
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+        if loading:
+            raise _Interrupted
+
+    loading = False
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    web.start()
+    while not server.started and web.is_alive():
+        web.join(0.05)
+    if not web.is_alive():  # could not bind the port (uvicorn logged why)
+        return 1
+    status, core = 0, None
+    try:
+        if not state.shutting_down:
+            loading = True
+            core = make_core(args)
+            loading = False
+    except _Interrupted:
+        core = None
+    except ValueError as err:  # a checked refusal (bad checkpoint or flags): no traceback
+        log.error("could not load %s: %s", args.model, err)
+        server.should_exit, status, core = True, 1, None
+    except Exception:  # noqa: BLE001 - reported; the server stops with status 1
+        log.exception("could not load %s", args.model)
+        server.should_exit, status, core = True, 1, None
+    if core is not None:
+        if state.shutting_down:
+            core.shutdown()
+        else:
+            state.set_core(core)
+            log.info("model %s loaded: /health answers 200", args.model)
+    while web.is_alive():
+        web.join(0.2)  # wakes often enough for signal handlers to run
+    if core is not None:
+        core.shutdown()
+    return status
+
+
+run_serve = main
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return p

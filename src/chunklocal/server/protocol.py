@@ -1,0 +1,220 @@
+"""OpenAI-compatible request and response bodies (pydantic), plus the error type.
+
+Requests are parsed in strict mode from the raw JSON: ``max_tokens: 2.5``, ``"n": true`` or
+``"seed": "1"`` are 400s, not silently coerced.  Unknown fields are collected (``extra``)
+and refused by name in ``params.py``; OpenAI and vLLM fields this server does not serve are
+declared here so that their neutral values (``null``, ``false``, ``[]``...) still pass.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An HTTP error answered with OpenAI's error JSON; the server keeps serving."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error",
+                             404: "not_found_error", 503: "service_unavailable"}.get(
+                                 status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+class _Request(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None  # vLLM: optional, defaults to the served model
+    # OpenAI sampling fields (None = unset: the checkpoint's generation_config decides).
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # Not served: accepted only at the neutral value listed in params.NOT_SERVED.
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    min_tokens: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    priority: int | None = None
+    echo: bool | None = None
+
+
+class CompletionRequest(_Request):
+    # str | list[str] | list[int] | list[list[int]]: one prompt or a batch of prompts.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    add_special_tokens: bool = True  # vLLM: BOS etc. when tokenizing a string prompt
+    suffix: str | None = None  # not served
+
+
+class ChatMessage(BaseModel):
+    # Other keys (name, tool_call_id, ...) go to the chat template as they are.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    # vLLM chat fields: the template is applied by the tokenizer, as transformers does.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template already holds BOS: no second one
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Not served (neutral values pass).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: Any = None
+    documents: list[Any] | None = None
+
+
+# -- responses -------------------------------------------------------------------------------
+FinishReason = Literal["stop", "length", "abort"] | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": "assistant"} first, then {"content": "..."}; {} at the end
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatStreamChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "chunklocal"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,159 @@
+"""Engine outputs -> OpenAI response bodies and stream chunks.
+
+The engine's outputs are cumulative snapshots (text and token ids so far); a stream sends
+each choice's difference from the previous snapshot, so the concatenated deltas equal the
+non-streamed text exactly (the engine already holds back partial UTF-8 characters and
+partial stop strings).
+"""
+
+from __future__ import annotations
+
+from chunklocal.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+
+class TokenText:
+    """Token id -> the string shown in logprobs (the tokenizer's decoding of that one id)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.cache = tokenizer, {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = (f"token_id:{token_id}" if self.tokenizer is None
+                    else self.tokenizer.decode([token_id]))
+            self.cache[token_id] = text
+        return text
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(tok: TokenText, ids, entries, k: int, offset: int) -> CompletionLogprobs:
+    """OpenAI completions logprobs of ``ids`` (``entries[i]``: id -> logprob, holding the
+    sampled id and the top k); ``offset``: characters of the choice's text before them."""
+    lp = CompletionLogprobs()
+    for tid, entry in zip(ids, entries, strict=True):
+        text = tok(tid)
+        lp.tokens.append(text)
+        lp.token_logprobs.append(entry.get(tid))
+        lp.top_logprobs.append({tok(t): v for t, v in _top(entry, k)} if k else None)
+        lp.text_offset.append(offset)
+        offset += len(text)
+    return lp
+
+
+def chat_logprobs(tok: TokenText, ids, entries, k: int) -> ChatLogprobs:
+    content = []
+    for tid, entry in zip(ids, entries, strict=True):
+        text = tok(tid)
+        top = [TopLogprob(token=tok(t), logprob=v, bytes=list(tok(t).encode()))
+               for t, v in _top(entry, k)]
+        content.append(TokenLogprob(token=text, logprob=entry.get(tid, float("-inf")),
+                                    bytes=list(text.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def usage_of(finals) -> Usage:
+    prompt = sum(len(f.prompt_token_ids) for f in finals)
+    completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion)
+
+
+def completion_response(rid, model, finals, n, tok: TokenText, k) -> CompletionResponse:
+    choices = []
+    for i, final in enumerate(finals):
+        for o in final.outputs:
+            lp = (completion_logprobs(tok, o.token_ids, o.logprobs, k, 0)
+                  if k is not None else None)
+            choices.append(CompletionChoice(index=i * n + o.index, text=o.text, logprobs=lp,
+                                            finish_reason=o.finish_reason,
+                                            stop_reason=o.stop_reason))
+    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals))
+
+
+def chat_response(rid, model, final, tok: TokenText, k) -> ChatCompletionResponse:
+    choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
+                          logprobs=chat_logprobs(tok, o.token_ids, o.logprobs, k)
+                          if k is not None else None,
+                          finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+               for o in final.outputs]
+    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of([final]))
+
+
+class StreamState:
+    """Per-choice progress of a stream: characters and tokens already sent."""
+
+    def __init__(self, chat: bool, rid: str, model: str, n: int, tok: TokenText, k,
+                 include_usage: bool, continuous_usage: bool):
+        self.chat, self.rid, self.model, self.n, self.tok, self.k = chat, rid, model, n, tok, k
+        self.include_usage, self.continuous_usage = include_usage, continuous_usage
+        self.sent_chars: dict[int, int] = {}
+        self.sent_tokens: dict[int, int] = {}
+        self.done: set[int] = set()
+        self.latest: dict[int, object] = {}  # prompt index -> latest snapshot (for usage)
+
+    def _chunk(self, choices, usage=None) -> str:
+        cls = ChatCompletionChunk if self.chat else CompletionResponse
+        body = cls(id=self.rid, model=self.model, choices=choices, usage=usage)
+        return f"data: {body.model_dump_json()}\n\n"
+
+    def role_chunks(self, num_choices: int) -> list[str]:
+        """Chat streams open each choice with the assistant role, as OpenAI's do."""
+        return [self._chunk([ChatStreamChoice(index=i, delta={"role": "assistant",
+                                                               "content": ""})])
+                for i in range(num_choices)]
+
+    def update(self, prompt_index: int, out) -> list[str]:
+        """The chunks a new snapshot of prompt ``prompt_index`` adds."""
+        self.latest[prompt_index] = out
+        chunks = []
+        for o in out.outputs:
+            index = prompt_index * self.n + o.index
+            if index in self.done:
+                continue
+            chars, ntok = self.sent_chars.get(index, 0), self.sent_tokens.get(index, 0)
+            delta, new_ids = o.text[chars:], o.token_ids[ntok:]
+            if not delta and not new_ids and o.finish_reason is None:
+                continue
+            lp = None
+            if self.k is not None and new_ids:
+                entries = o.logprobs[ntok:len(o.token_ids)]
+                lp = (chat_logprobs(self.tok, new_ids, entries, self.k) if self.chat else
+                      completion_logprobs(self.tok, new_ids, entries, self.k, chars))
+            if self.chat:
+                choice = ChatStreamChoice(index=index, delta={"content": delta} if delta else {},
+                                          logprobs=lp, finish_reason=o.finish_reason,
+                                          stop_reason=o.stop_reason)
+            else:
+                choice = CompletionChoice(index=index, text=delta, logprobs=lp,
+                                          finish_reason=o.finish_reason,
+                                          stop_reason=o.stop_reason)
+            self.sent_chars[index], self.sent_tokens[index] = len(o.text), len(o.token_ids)
+            if o.finish_reason is not None:
+                self.done.add(index)
+            usage = usage_of(self.latest.values()) if self.continuous_usage else None
+            chunks.append(self._chunk([choice], usage))
+        return chunks
+
+    def final_chunks(self) -> list[str]:
+        chunks = []
+        if self.include_usage:
+            chunks.append(self._chunk([], usage_of(self.latest.values())))
+        chunks.append("data: [DONE]\n\n")
+        return chunks
