@@ -30,8 +30,7 @@ import uuid
 import weakref
 from collections import deque
 
-import numpy as np
-
+from chunklocal.engine.requests import check_prompt_ids
 from chunklocal.engine.sampler import sampling_row
 from chunklocal.engine.sampling import SamplingParams
 from chunklocal.engine.sequence import Sequence
@@ -212,25 +211,8 @@ class EngineCore:
 
     # -- internals -------------------------------------------------------------------------------
     def _check_prompt(self, rid, prompt_token_ids) -> list[int]:
-        try:
-            arr = np.asarray(prompt_token_ids)
-        except ValueError:
-            arr = None
-        if (arr is None or arr.ndim != 1
-                or (arr.size and not np.issubdtype(arr.dtype, np.integer))):
-            raise ValueError(f"request {rid}: prompt_token_ids must be a flat list of int "
-                             "token ids")
-        if arr.size == 0:
-            raise ValueError(f"request {rid}: the prompt is empty")
-        vocab = self.llm.config.vocab_size
-        bad = np.flatnonzero((arr < 0) | (arr >= vocab))
-        if bad.size:
-            raise ValueError(f"request {rid}: token id {int(arr[bad[0]])} at index "
-                             f"{int(bad[0])} is outside the vocabulary [0, {vocab})")
-        if arr.size > self.max_model_len:
-            raise ValueError(f"request {rid}: prompt of {arr.size} tokens exceeds "
-                             f"max_model_len {self.max_model_len}")
-        return arr.tolist()
+        return check_prompt_ids(rid, prompt_token_ids, self.llm.config.vocab_size,
+                                self.max_model_len)
 
     def _loop_tokenizer(self):
         """A tokenizer of the loop's own (HF fast tokenizers are not safe to share
@@ -247,8 +229,10 @@ class EngineCore:
 
     def _start(self):
         if self._thread is None:
+            from chunklocal.engine.core_step import run_loop
+
             self._thread = threading.Thread(
-                target=_run_loop, args=(weakref.ref(self), self._commands, self.llm.device),
+                target=run_loop, args=(weakref.ref(self), self._commands, self.llm.device),
                 name="chunklocal-engine-core", daemon=True)
             # If the LLM (and so this core) is dropped, the idle thread wakes up and ends.
             weakref.finalize(self, self._commands.put, ("shutdown",))
@@ -323,26 +307,6 @@ class EngineCore:
         with self._lock:
             self._live.pop(req.request_id, None)
         req.stream._publish()
-
-
-def _run_loop(core_ref, commands, device) -> None:
-    """The loop thread.  It holds the core only while working, never while it blocks for
-    the next command, so a dropped LLM is freed (its finalizer wakes the thread)."""
-    if device.type == "cuda":  # the current device is per thread
-        import torch
-
-        torch.cuda.set_device(device)
-    while True:
-        core = core_ref()
-        if core is None:
-            return
-        idle = core._idle
-        del core
-        first = commands.get() if idle else None
-        core = core_ref()
-        if core is None or core._iterate(first):
-            return
-        del core
 
 
 def _abort_weakly(core_ref, request_id, wait=False) -> None:
