@@ -107,3 +107,18 @@ def test_threads_mixing_generate_prompt_logits_and_sampling(llm):
         new = {0: 12 + i, 1: 1, 2: 15}[i % 3]
         assert stats[i].new_tokens == new * len(prompts[i])
     assert llm.last_stats is None or llm.last_stats.requests  # the main thread's own
+
+
+def test_a_dropped_llm_is_freed_and_its_loop_thread_ends(tmp_path):
+    """The loop thread must not keep an LLM (weights, KV cache) alive once dropped."""
+    import gc
+    import weakref
+
+    write_tiny_llama4(tmp_path, seed=1)
+    llm = chunklocal.LLM(tmp_path, max_model_len=64)
+    assert len(llm.generate([[1, 2, 3]], max_new_tokens=3)[0]) == 3
+    ref, thread = weakref.ref(llm), llm.core._thread
+    del llm
+    gc.collect()
+    thread.join(10)
+    assert ref() is None and not thread.is_alive()

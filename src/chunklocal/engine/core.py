@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import functools
 import itertools
 import queue
 import threading
@@ -29,8 +30,7 @@ import uuid
 import weakref
 from collections import deque
 
-import numpy as np
-
+from chunklocal.engine.requests import check_prompt_ids
 from chunklocal.engine.sampler import sampling_row
 from chunklocal.engine.sampling import SamplingParams
 from chunklocal.engine.sequence import Sequence
@@ -50,7 +50,9 @@ class EngineCore:
         existing = getattr(llm, "_core", None)
         if existing is not None and not existing.closed:
             raise ValueError("this LLM already has a running EngineCore: use llm.core")
-        self.llm = llm
+        # Weak: the LLM owns its core; a loop thread must not keep a dropped LLM (and its
+        # weights and KV cache) alive.  The thread holds the core only while it works.
+        self._llm = weakref.ref(llm)
         self.scheduler = llm.scheduler
         if max_waiting_requests is None:
             max_waiting_requests = getattr(llm, "max_waiting_requests", None)
@@ -70,12 +72,20 @@ class EngineCore:
         self._detok_tokenizer = None
         self.num_steps = 0
         self.num_penalised = 0  # live samples with penalties (no overlap while > 0)
+        self._in_flight = None  # async_scheduling: a step launched and not yet collected
         #: (virtual batches, query tokens, blocks used per group) of the latest steps.
         self.step_log: deque = deque(maxlen=1 << 16)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         llm._core = self
         _LIVE_CORES.add(self)
+
+    @property
+    def llm(self):
+        llm = self._llm()
+        if llm is None:
+            raise RuntimeError("the LLM of this engine core was garbage-collected")
+        return llm
 
     # -- client API (any thread) ---------------------------------------------------------------
     @property
@@ -131,7 +141,7 @@ class EngineCore:
             raise ValueError(f"request {rid}: stop strings {list(params.stop)} need a "
                              "tokenizer; the checkpoint has none")
         req = Request(rid, ids, params, prompt, time.monotonic())
-        req.stream._abort = lambda wait, rid=rid: self.abort(rid, wait)
+        req.stream._abort = functools.partial(_abort_weakly, weakref.ref(self), rid)
         groups = len(self.llm.groups)
         for i in range(params.n):
             child = params if params.seed is None or params.n == 1 else params.replace(
@@ -201,25 +211,8 @@ class EngineCore:
 
     # -- internals -------------------------------------------------------------------------------
     def _check_prompt(self, rid, prompt_token_ids) -> list[int]:
-        try:
-            arr = np.asarray(prompt_token_ids)
-        except ValueError:
-            arr = None
-        if (arr is None or arr.ndim != 1
-                or (arr.size and not np.issubdtype(arr.dtype, np.integer))):
-            raise ValueError(f"request {rid}: prompt_token_ids must be a flat list of int "
-                             "token ids")
-        if arr.size == 0:
-            raise ValueError(f"request {rid}: the prompt is empty")
-        vocab = self.llm.config.vocab_size
-        bad = np.flatnonzero((arr < 0) | (arr >= vocab))
-        if bad.size:
-            raise ValueError(f"request {rid}: token id {int(arr[bad[0]])} at index "
-                             f"{int(bad[0])} is outside the vocabulary [0, {vocab})")
-        if arr.size > self.max_model_len:
-            raise ValueError(f"request {rid}: prompt of {arr.size} tokens exceeds "
-                             f"max_model_len {self.max_model_len}")
-        return arr.tolist()
+        return check_prompt_ids(rid, prompt_token_ids, self.llm.config.vocab_size,
+                                self.max_model_len)
 
     def _loop_tokenizer(self):
         """A tokenizer of the loop's own (HF fast tokenizers are not safe to share
@@ -236,47 +229,52 @@ class EngineCore:
 
     def _start(self):
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="chunklocal-engine-core",
-                                            daemon=True)
+            from chunklocal.engine.core_step import run_loop
+
+            self._thread = threading.Thread(
+                target=run_loop, args=(weakref.ref(self), self._commands, self.llm.device),
+                name="chunklocal-engine-core", daemon=True)
+            # If the LLM (and so this core) is dropped, the idle thread wakes up and ends.
+            weakref.finalize(self, self._commands.put, ("shutdown",))
             self._thread.start()
 
-    def _loop(self):
+    def _iterate(self, first) -> bool:
+        """One loop iteration: take the queued commands (``first`` already taken), then
+        run one step.  True when the loop must end (shutdown)."""
         from chunklocal.engine.core_step import fail_all, run_step, step_async
 
-        if self.llm.device.type == "cuda":  # the current device is per thread
-            import torch
-
-            torch.cuda.set_device(self.llm.device)
-        pending = None  # async_scheduling: a step launched and not yet collected
+        commands = [] if first is None else [first]
         while True:
-            block = not self.scheduler.has_work() and pending is None
-            commands = [self._commands.get()] if block else []
-            while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        stop = False
+        for kind, *args in commands:
+            if kind == "add":
                 try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-            stop = False
-            for kind, *args in commands:
-                if kind == "add":
-                    try:
-                        self._add(args[0])
-                    except BaseException as err:  # noqa: B036 - a dead loop would hang clients
-                        fail_all(self, err)
-                elif kind == "abort":
-                    self._abort(args[0])
-                    if args[1] is not None:
-                        args[1].set()
-                else:  # shutdown: the last command (nothing is queued after it)
-                    stop = True
-            if stop:
-                for rid in list(self._requests):
-                    self._abort(rid)
-                return
-            if self.llm.async_scheduling:
-                pending = step_async(self, pending)
-            elif self.scheduler.has_work():
-                run_step(self)
+                    self._add(args[0])
+                except BaseException as err:  # noqa: B036 - a dead loop would hang clients
+                    fail_all(self, err)
+            elif kind == "abort":
+                self._abort(args[0])
+                if args[1] is not None:
+                    args[1].set()
+            else:  # shutdown: the last command (nothing is queued after it)
+                stop = True
+        if stop:
+            for rid in list(self._requests):
+                self._abort(rid)
+            return True
+        if self.llm.async_scheduling:
+            self._in_flight = step_async(self, self._in_flight)
+        elif self.scheduler.has_work():
+            run_step(self)
+        return False
+
+    @property
+    def _idle(self) -> bool:
+        return not self.scheduler.has_work() and self._in_flight is None
 
     def _add(self, req: Request) -> None:
         self._requests[req.request_id] = req
@@ -312,6 +310,12 @@ class EngineCore:
         with self._lock:
             self._live.pop(req.request_id, None)
         req.stream._publish()
+
+
+def _abort_weakly(core_ref, request_id, wait=False) -> None:
+    core = core_ref()  # a stream kept by a client must not keep the core alive
+    if core is not None:
+        core.abort(request_id, wait)
 
 
 def _penalised(params) -> bool:

@@ -1,4 +1,5 @@
-"""One iteration of the engine core's loop: schedule, run, then publish what changed.
+"""The engine core's loop thread: each iteration schedules, runs, then publishes what
+changed (synchronously, or with the next step launched first: engine/overlap.py).
 
 Kept apart from core.py (the client API and the loop's commands) so each stays short.
 Runs on the loop thread only.
@@ -10,6 +11,26 @@ import time
 
 from chunklocal.engine.overlap import overlappable, provisional, resolve
 from chunklocal.engine.sequence import Status
+
+
+def run_loop(core_ref, commands, device) -> None:
+    """The loop thread.  It holds the core only while working, never while it blocks for
+    the next command, so a dropped LLM is freed (its finalizer wakes the thread)."""
+    if device.type == "cuda":  # the current device is per thread
+        import torch
+
+        torch.cuda.set_device(device)
+    while True:
+        core = core_ref()
+        if core is None:
+            return
+        idle = core._idle
+        del core
+        first = commands.get() if idle else None
+        core = core_ref()
+        if core is None or core._iterate(first):
+            return
+        del core
 
 
 def run_step(core) -> None:

@@ -124,3 +124,25 @@ def check_prompts(prompts, max_new_tokens, get_tokenizer, vocab_size: int, max_m
                              f"exceed max_model_len {max_model_len}")
         checked.append(arr.tolist())
     return checked, as_text
+
+
+def check_prompt_ids(rid, prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:
+    """One engine-core request's prompt as a list of ints, or ValueError naming ``rid``."""
+    try:
+        arr = np.asarray(prompt_token_ids)
+    except ValueError:
+        arr = None
+    if (arr is None or arr.ndim != 1
+            or (arr.size and not np.issubdtype(arr.dtype, np.integer))):
+        raise ValueError(f"request {rid}: prompt_token_ids must be a flat list of int "
+                         "token ids")
+    if arr.size == 0:
+        raise ValueError(f"request {rid}: the prompt is empty")
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+    if bad.size:
+        raise ValueError(f"request {rid}: token id {int(arr[bad[0]])} at index "
+                         f"{int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+    if arr.size > max_model_len:
+        raise ValueError(f"request {rid}: prompt of {arr.size} tokens exceeds "
+                         f"max_model_len {max_model_len}")
+    return arr.tolist()

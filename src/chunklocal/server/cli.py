@@ -31,6 +31,7 @@ LLM_FLAGS = {
     "hybrid_kv_cache": "hybrid_kv_cache", "num_speculative_tokens": "num_speculative_tokens",
     "seed": "seed", "generation_config": "generation_config",
     "max_waiting_requests": "max_waiting_requests", "load_format": "load_format",
+    "async_scheduling": "async_scheduling",
 }
 # Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
 _DEFAULTS_IF_ABSENT = {"load_format": "auto"}
@@ -117,6 +118,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt-lookup draft length k (default 0)")
     e.add_argument("--load-format", default="auto", help="checkpoint format (default auto)")
     e.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    e.add_argument("--async-scheduling", action="store_true",
+                   help="prepare step n+1 on the host while the device runs step n (vLLM's "
+                   "flag; off with speculative decoding or penalties; default off)")
     e.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
                    help="auto: sampling fields a request leaves unset take the checkpoint's "
                    "generation_config.json; none (or vllm): vLLM's defaults; a directory: "
@@ -172,6 +176,7 @@ def make_core(args):
     llm = _llm_class()(args.model, **llm_kwargs(args))
     core = llm.core
     core.max_logprobs = args.max_logprobs  # the engine refuses more, the server says 400
+    core.owner = llm  # the core holds its LLM weakly; the server keeps it for its lifetime
     return core
 
 
