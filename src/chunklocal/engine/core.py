@@ -231,8 +231,13 @@ class EngineCore:
         if self._thread is None:
             from chunklocal.engine.core_step import run_loop
 
+            device = self.llm.device
+            if device.type == "cuda" and device.index is None:
+                import torch  # the loop thread's set_device needs an index: the caller's
+
+                device = torch.device("cuda", torch.cuda.current_device())
             self._thread = threading.Thread(
-                target=run_loop, args=(weakref.ref(self), self._commands, self.llm.device),
+                target=run_loop, args=(weakref.ref(self), self._commands, device),
                 name="chunklocal-engine-core", daemon=True)
             # If the LLM (and so this core) is dropped, the idle thread wakes up and ends.
             weakref.finalize(self, self._commands.put, ("shutdown",))
