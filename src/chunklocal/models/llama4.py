@@ -31,6 +31,16 @@ from chunklocal.models.llama4_config import (  # noqa: F401  (re-exported)
     require_hf,
     supported_rope_type,
 )
+from chunklocal.models.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    ShardRule,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+from chunklocal.models.sharding import kv_head_split, shard_rules
 
 
 @dataclass
@@ -59,21 +69,37 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, inner: int, act: nn.Module):
+    """``reduce=False``: the output is this rank's partial sum (the MoE layer reduces)."""
+
+    def __init__(self, hidden: int, inner: int, act: nn.Module, tp: TPGroup = SINGLE,
+                 reduce: bool = True):
         super().__init__()
         self.act = act
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, inner, False, tp)
+        self.up_proj = ColumnParallelLinear(hidden, inner, False, tp)
+        self.down_proj = RowParallelLinear(inner, hidden, False, tp, reduce=reduce)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inner: int, act: nn.Module):
+    """This rank's experts: all of them, each with 1/N of the inner size (``tp.moe ==
+    "tp"``), or experts ``[rank * E / N, (rank + 1) * E / N)`` whole ("ep")."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int, act: nn.Module,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         self.act = act
+        n, r = tp.size, tp.rank
+        if tp.moe == "ep":
+            num_experts //= n
+            by_expert = ShardRule(0, n, r)
+            self.shard_rules = {"gate_up_proj": by_expert, "down_proj": by_expert}
+        else:
+            inner //= n
+            self.shard_rules = {"gate_up_proj": ShardRule(2, n, r, parts=2),
+                                "down_proj": ShardRule(1, n, r)}
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inner))
         self.down_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
 
@@ -99,14 +125,21 @@ class MoE(nn.Module):
     #: data-dependent shapes, so decode steps can be captured in a CUDA graph.
     DENSE_MAX_TOKENS = 64
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.num_local_experts
         act = activation(config)
-        self.experts = Experts(self.num_experts, config.hidden_size, config.intermediate_size, act)
+        self.tp = tp
+        self.experts = Experts(self.num_experts, config.hidden_size, config.intermediate_size,
+                               act, tp)
+        #: Global ids of this rank's experts: [first_expert, first_expert + local).
+        self.num_local_experts = self.experts.down_proj.shape[0]
+        self.first_expert = tp.rank * self.num_local_experts if tp.moe == "ep" else 0
         self.router = Router(config.hidden_size, self.num_experts)
-        self.shared_expert = GatedMLP(config.hidden_size, config.intermediate_size, act)
+        # Routed and shared outputs are partial sums over the ranks: one all-reduce.
+        self.shared_expert = GatedMLP(config.hidden_size, config.intermediate_size, act, tp,
+                                      reduce=False)
 
     def forward(self, x):
         logits = F.linear(x, self.router.weight)
@@ -116,8 +149,10 @@ class MoE(nn.Module):
         if x.shape[0] <= self.DENSE_MAX_TOKENS or (
                 x.is_cuda and torch.cuda.is_current_stream_capturing()):
             scores = torch.zeros_like(logits).scatter_(1, top_index, top_score)
+            if self.num_local_experts != self.num_experts:  # "ep": only this rank's experts
+                scores = scores[:, self.first_expert:self.first_expert + self.num_local_experts]
             routed = self.experts.run_all(scores.t().unsqueeze(-1) * x.unsqueeze(0))
-            return out + routed.sum(0)
+            return self.tp.all_reduce(out + routed.sum(0))
         # Long batches: each expert runs only on its own tokens.  One stable sort
         # groups the (token, expert) pairs by expert; one .tolist() of the counts
         # is the layer's only host sync (not one per expert).
@@ -127,17 +162,21 @@ class MoE(nn.Module):
         scores_sorted = top_score.reshape(-1, 1)[order]
         counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
         pieces = zip(rows_sorted.split(counts), scores_sorted.split(counts), strict=True)
+        local = range(self.first_expert, self.first_expert + self.num_local_experts)
         for expert, (rows, scores) in enumerate(pieces):
-            if counts[expert]:
-                out.index_add_(0, rows, self.experts.run(expert, x[rows] * scores))
-        return out
+            if counts[expert] and expert in local:  # other ranks' experts add 0 here
+                out.index_add_(0, rows, self.experts.run(expert - self.first_expert,
+                                                         x[rows] * scores))
+        return self.tp.all_reduce(out)
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    """This rank's query heads (num_attention_heads / N) and the KV heads they read."""
+
+    def __init__(self, config, layer_idx: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads, kv_replicas = kv_head_split(config.num_key_value_heads, tp.size)
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         self.use_rope = bool(config.no_rope_layers[layer_idx])
@@ -148,10 +187,11 @@ class Attention(nn.Module):
             self.temperature = (float(config.floor_scale), float(config.attn_scale))
         bias = config.attention_bias
         hidden, hd = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(hidden, self.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, hidden, bias=bias)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = ColumnParallelLinear(hidden, heads * hd, bias, tp)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * hd, bias, tp, kv_replicas)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * hd, bias, tp, kv_replicas)
+        self.o_proj = RowParallelLinear(heads * hd, hidden, bias, tp)
         # Paged caches [num_blocks, block_size, Hkv, D], bound by the model runner.
         self.k_cache = self.v_cache = None
 
@@ -185,14 +225,14 @@ def _rotate(x, freqs_cis):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx, tp)
         if layer_idx in config.moe_layers:
-            self.feed_forward = MoE(config)
+            self.feed_forward = MoE(config, tp)
         else:
             self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size_mlp,
-                                         activation(config))
+                                         activation(config), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -203,22 +243,24 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Llama4ForCausalLM(nn.Module):
-    """Parameter names equal the checkpoint's, so loading is one strict state-dict load."""
+    """Parameter names equal the checkpoint's, so loading is one strict state-dict load.
+    ``tp``: this rank's tensor-parallel group (its modules hold this rank's slices)."""
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = config
-        self.model = TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = TextModel(config, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self._inv_freq = None
         self._rope_scaling = 1.0
 
@@ -253,9 +295,12 @@ class Llama4ForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
-def load_llama4(model_dir, device="cpu", dtype=None) -> Llama4ForCausalLM:
-    """Build the model from ``config.json`` and load every ``*.safetensors`` shard."""
-    from safetensors.torch import load_file
+def load_llama4(model_dir, device="cpu", dtype=None, tp: TPGroup = SINGLE) -> Llama4ForCausalLM:
+    """Build the model from ``config.json`` and load every ``*.safetensors`` shard.
+
+    ``tp``: load this rank's slice of each sharded weight (cut as each tensor is read,
+    so at most one full tensor is held beside the slices)."""
+    from safetensors import safe_open
 
     model_dir = Path(model_dir)
     config = load_text_config(model_dir)
@@ -265,18 +310,24 @@ def load_llama4(model_dir, device="cpu", dtype=None) -> Llama4ForCausalLM:
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
         raise ValueError(f"{model_dir}: no *.safetensors files")
+    with torch.device("meta"):
+        model = Llama4ForCausalLM(config, tp)
+    rules = shard_rules(model) if tp.size > 1 else {}
+    tied = "lm_head.weight" in rules and getattr(config, "tie_word_embeddings", False)
     state = {}
     for shard in shards:
-        for name, tensor in load_file(str(shard)).items():
-            # Multimodal checkpoints nest the text model under language_model.
-            if name.startswith("language_model."):
-                name = name[len("language_model."):]
-            if name.startswith(("model.", "lm_head.")):
-                state[name] = tensor
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                # Multimodal checkpoints nest the text model under language_model.
+                name = key[len("language_model."):] if key.startswith("language_model.") else key
+                if not name.startswith(("model.", "lm_head.")):
+                    continue
+                tensor = f.get_tensor(key)
+                if tied and name == "model.embed_tokens.weight":
+                    state["lm_head.weight"] = rules["lm_head.weight"].take(name, tensor)
+                state[name] = rules[name].take(name, tensor) if name in rules else tensor
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    with torch.device("meta"):
-        model = Llama4ForCausalLM(config)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval()
     model.init_rope(device)
