@@ -13,13 +13,22 @@ from tqdm.auto import tqdm
 
 from chunklocal import bounds
 from chunklocal._validate import as_int, cdiv, check_chunk_geometry
+from chunklocal.backends.base import EngineLimits
 from chunklocal.engine.block_manager import BlockManager, KVGroup
-from chunklocal.engine.model_runner import ModelRunner
 from chunklocal.engine.requests import check_prompts, check_temperature, load_tokenizer, torch_dtype
+from chunklocal.engine.runner_setup import RunnerSetup, build_runner
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.sequence import SamplingParams, Sequence
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
-from chunklocal.models.llama4 import CHUNKED, GLOBAL, load_llama4, load_text_config
+from chunklocal.models.llama4 import (
+    CHUNKED,
+    GLOBAL,
+    checkpoint_dtype,
+    layer_kind,
+    load_llama4,
+    load_text_config,
+)
+from chunklocal.models.sharding import check_tensor_parallel, kv_head_split
 
 _CPU_KV_BYTES = 2 << 30  # default KV budget on the CPU when num_kv_blocks is None
 
@@ -62,12 +71,18 @@ class LLM:
     as CUDA graphs (FlashInfer only).  ``num_speculative_tokens``: prompt-lookup
     draft length k, verified in one step; greedy output equals k = 0.
     ``seed``: sampling seed for temperature > 0.
+    ``tensor_parallel_size`` N > 1: one worker process per rank (engine/workers.py),
+    ranks 0..N-1 on cuda:0..N-1 (or the CPU, over gloo); ``moe_parallel``: "tp"
+    splits each expert's inner size, "ep" gives each rank num_local_experts / N
+    whole experts.  Call :meth:`shutdown` (or ``del llm``, or use ``with``) to end them.
     """
 
     def __init__(self, model, *, device="cpu", dtype=None, max_num_seqs=256,
                  max_num_batched_tokens=8192, max_model_len=None, block_size=16,
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
-                 hybrid_kv_cache=True, num_speculative_tokens=0, seed=0):
+                 hybrid_kv_cache=True, num_speculative_tokens=0, seed=0,
+                 tensor_parallel_size=1, moe_parallel="tp"):
+        self.workers = None  # before any check: shutdown() and __del__ read it
         self.model_dir = Path(model)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model must be a checkpoint directory with config.json and "
@@ -75,6 +90,8 @@ class LLM:
         dtype = torch_dtype(dtype)
         config = load_text_config(self.model_dir)
         self.config = config
+        self.tensor_parallel_size = check_tensor_parallel(config, tensor_parallel_size,
+                                                          moe_parallel)
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
         elif as_int(max_model_len, "max_model_len") > config.max_position_embeddings:
@@ -117,26 +134,34 @@ class LLM:
             dtype = config_dtype if config_dtype in (torch.float16, torch.bfloat16) \
                 else torch.bfloat16
         self.cuda_graphs = self.cuda_graphs and backend_name == "flashinfer"
-        self.model = load_llama4(self.model_dir, self.device, dtype)
-        kv_dtype = next(self.model.parameters()).dtype
-        kinds = {layer.self_attn.kind for layer in self.model.layers}
-        specs = {kind: self._spec(kind, kv_dtype) for kind in kinds}
-        groups, kind_to_group = self._make_groups(specs, hybrid_kv_cache, num_kv_blocks)
+        self.model, free_bytes = self._load(dtype, moe_parallel)
+        kv_dtype = self.workers.kv_dtype if self.workers else next(self.model.parameters()).dtype
+        self.layer_kinds = [layer_kind(config, i) for i in range(config.num_hidden_layers)]
+        specs = {kind: self._spec(kind, kv_dtype) for kind in set(self.layer_kinds)}
+        groups, kind_to_group = self._make_groups(specs, hybrid_kv_cache, num_kv_blocks,
+                                                  free_bytes)
         self.groups = groups
         self.max_virtual_batches = (
             bounds.max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
                                        self.max_model_len) if chunk else self.max_num_seqs)
-        backends = [self._backend(backend_name, grp, kv_dtype) for grp in groups]
         self.block_manager = BlockManager(groups, self.max_num_seqs,
                                           cdiv(self.max_model_len, self.block_size))
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.num_speculative_tokens, pad_drafts=self.cuda_graphs)
-        self.runner = ModelRunner(self.model, self.block_manager, kind_to_group, backends,
-                                  self.device, kv_dtype, seed, chunk_size=chunk)
-        if self.cuda_graphs:
-            self.runner.enable_cuda_graphs(backends[0].graph_batch_sizes,
-                                           backends[0].graph_query_lens)
+        setup = RunnerSetup(
+            tuple((grp.spec, grp.num_blocks) for grp in groups), kind_to_group, backend_name,
+            EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                         self.block_size),
+            config.num_attention_heads // self.tensor_parallel_size, kv_dtype,
+            self.num_speculative_tokens, self.cuda_graphs, seed, chunk)
+        if self.workers is None:
+            self.runner = build_runner(setup, self.model, self.device, self.block_manager)
+        else:
+            from chunklocal.engine.workers import RemoteRunner
+
+            self.workers.setup(setup)
+            self.runner = RemoteRunner(self.workers, self.block_manager, kind_to_group, chunk)
         eos = config.eos_token_id
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._tokenizer = None
@@ -144,22 +169,50 @@ class LLM:
         self.last_stats: GenerateStats | None = None
 
     # -- construction -------------------------------------------------------------------------
+    def _load(self, dtype, moe_parallel):
+        """(the model, or None when worker processes hold it; free device bytes or None)."""
+        n = self.tensor_parallel_size
+        if n == 1:
+            model = load_llama4(self.model_dir, self.device, dtype)
+            cuda = self.device.type == "cuda"
+            return model, torch.cuda.mem_get_info(self.device)[0] if cuda else None
+        from chunklocal.engine.workers import start_workers
+
+        self.workers = start_workers(n, self.model_dir, self.device, checkpoint_dtype(
+            self.config, dtype), moe_parallel)
+        return None, self.workers.free_bytes
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel worker processes (idempotent; nothing to do for N = 1)."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.close()
+
+    def __del__(self):
+        self.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
     def _spec(self, kind, kv_dtype):
         c = self.config
-        geometry = (self.block_size, c.num_key_value_heads, c.head_dim, kv_dtype)
+        kv_heads = kv_head_split(c.num_key_value_heads, self.tensor_parallel_size)[0]
+        geometry = (self.block_size, kv_heads, c.head_dim, kv_dtype)
         if kind == CHUNKED:
             return ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=c.attention_chunk_size)
         return FullAttentionSpec(*geometry)
 
-    def _make_groups(self, specs, hybrid, num_kv_blocks):
-        layers_of = {kind: sum(layer.self_attn.kind == kind for layer in self.model.layers)
-                     for kind in specs}
+    def _make_groups(self, specs, hybrid, num_kv_blocks, free_bytes):
+        layers_of = {kind: self.layer_kinds.count(kind) for kind in specs}
         whole_seq = cdiv(self.max_model_len, self.block_size)
         if num_kv_blocks is None:
+            # Per rank: specs hold this rank's KV heads, free_bytes its (least) free memory.
             per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
             budget = _CPU_KV_BYTES
-            if self.device.type == "cuda":
-                budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.4)
+            if free_bytes is not None:
+                budget = int(free_bytes * 0.4)
             if whole_seq * per_block > budget:
                 raise ValueError(
                     f"one request of max_model_len {self.max_model_len} needs "
@@ -192,25 +245,6 @@ class LLM:
                     f"max_model_len {self.max_model_len} needs {need} blocks of {self.block_size}")
         self.group_names = [name for name, *_ in groups]
         return [KVGroup(spec, size) for _, spec, size, _ in groups], kind_to_group
-
-    def _backend(self, name, group, kv_dtype):
-        if name == "torch":
-            from chunklocal.backends.torch_ref import TorchRefBackend
-
-            # Plans live where q and the caches do; Hq sizes the memory-bounded groups.
-            return TorchRefBackend(group.spec, num_q_heads=self.config.num_attention_heads,
-                                   device=self.device)
-        from chunklocal.backends.base import EngineLimits
-        from chunklocal.backends.flashinfer import FlashInferBackend
-
-        c = self.config
-        limits = EngineLimits(self.max_num_seqs, self.max_num_batched_tokens,
-                              self.max_model_len, self.block_size)
-        verify_len = self.num_speculative_tokens + 1 if self.num_speculative_tokens else None
-        return FlashInferBackend(
-            group.spec, limits, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-            kv_dtype, self.device, self.cuda_graphs, verify_len=verify_len,
-            scratch_page=group.num_blocks, sm_scale=c.head_dim ** -0.5)
 
     # -- requests -----------------------------------------------------------------------------
     @property

@@ -6,6 +6,11 @@ whose metadata all the group's layers share.  Hybrid mode: chunked layers read
 the chunked group, global layers the global group.  Merged mode: both kinds read
 the single group (the one build prepares both).  Decode and verify steps replay
 a CUDA graph when one is captured for their shape (engine/cuda_graphs.py).
+
+A step has a host half and a device half: :meth:`ModelRunner.host_step` turns the
+scheduled batch into a :class:`DeviceStep` of numpy arrays, :meth:`ModelRunner.execute`
+runs it on the model.  With tensor parallelism the host half runs once, in the
+caller's process, and every rank executes the same DeviceStep (engine/workers.py).
 """
 
 from __future__ import annotations
@@ -34,6 +39,18 @@ class StepInputs:
     num_drafts: np.ndarray      # [N] speculative tokens per request
 
 
+@dataclass
+class DeviceStep:
+    """Everything a rank needs to run one step: numpy only (tensor-parallel workers get
+    it pickled).  Attention metadata is not in it: each rank builds its own."""
+
+    inputs: StepInputs
+    tables: list            # [N, W] int32 block table per KV group
+    slots: list             # [T] int64 flat cache row of each token, per KV group
+    temperatures: np.ndarray  # per logit row
+    capture_rows: np.ndarray | None  # token rows whose float32 logits execute() returns
+
+
 class ModelRunner:
     def __init__(self, model, block_manager: BlockManager, kind_to_group: dict[str, int],
                  backends: list, device, kv_dtype, seed: int = 0, chunk_size=None):
@@ -56,7 +73,8 @@ class ModelRunner:
         self.capture_last_only = False
         self.graphs = None
         self.graph_steps = 0
-        self._bind_caches(kv_dtype)
+        if model is not None:  # None: the host half of a tensor-parallel engine
+            self._bind_caches(kv_dtype)
 
     def scratch_page(self, g: int) -> int:
         """A page past the group's pool: padding rows of graph steps write and read it."""
@@ -113,7 +131,7 @@ class ModelRunner:
         self.virtual_batches_per_step.append(count)
 
     def group_inputs(self, batch: ScheduledBatch, inputs: StepInputs):
-        """Block table (numpy) and slot mapping (device) of every KV group."""
+        """Block table and slot mapping (numpy) of every KV group."""
         row_of_token = np.repeat(np.arange(len(batch.seqs)), np.diff(inputs.query_start_loc))
         width = max(1, int(cdiv(inputs.seq_lens.max(), self.block_size)))
         tables, slots = [], []
@@ -122,7 +140,7 @@ class ModelRunner:
             pages = table[row_of_token, inputs.positions // self.block_size].astype(np.int64)
             slot = pages * self.block_size + inputs.positions % self.block_size
             tables.append(table)
-            slots.append(torch.from_numpy(slot).to(self.device))
+            slots.append(slot)
         return tables, slots
 
     def build_steps(self, inputs: StepInputs, tables, slots) -> dict[str, AttentionStep]:
@@ -132,41 +150,55 @@ class ModelRunner:
                                     chunked=kind == CHUNKED)
                 for kind, g in self.kind_to_group.items()}
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch, temperatures: np.ndarray) -> list[np.ndarray]:
         """One forward step; the chosen tokens of each request (empty when none)."""
+        step = self.host_step(batch, temperatures)
+        tokens, logits = self.execute(step)
+        if logits is not None:
+            self._store_captured(batch, step, logits)
+        bounds = np.searchsorted(step.inputs.logit_owner, np.arange(len(batch.seqs) + 1))
+        return [tokens[bounds[i]:bounds[i + 1]] for i in range(len(batch.seqs))]
+
+    def host_step(self, batch: ScheduledBatch, temperatures: np.ndarray) -> DeviceStep:
         inputs = self.prepare(batch)
         self.tokens_per_step.append(int(inputs.query_start_loc[-1]))
         self._count_virtual_batches(inputs)
         tables, slots = self.group_inputs(batch, inputs)
+        capture_rows = None
+        if self.capture is not None:
+            prompt_len = np.repeat([s.num_prompt_tokens for s in batch.seqs],
+                                   np.diff(inputs.query_start_loc))
+            keep = inputs.positions < prompt_len
+            if self.capture_last_only:
+                keep &= inputs.positions == prompt_len - 1
+            capture_rows = np.flatnonzero(keep)
+        return DeviceStep(inputs, tables, slots, temperatures[inputs.logit_owner], capture_rows)
+
+    @torch.inference_mode()
+    def execute(self, step: DeviceStep):
+        """(chosen tokens per logit row, float32 CPU logits of ``capture_rows`` or None)."""
+        inputs = step.inputs
+        slots = [torch.from_numpy(slot).to(self.device) for slot in step.slots]
         layout = None
         if self.graphs is not None:
             layout = self.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
         if layout is not None:
-            hidden = self.graphs.run(layout, inputs, tables, slots)
+            hidden = self.graphs.run(layout, inputs, step.tables, slots)
             self.graph_steps += 1
         else:
-            steps = self.build_steps(inputs, tables, slots)
+            steps = self.build_steps(inputs, step.tables, slots)
             hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
                                 torch.from_numpy(inputs.positions).to(self.device), steps)
-        if self.capture is not None:
-            self._capture_prompt_logits(batch, inputs, hidden)
+        logits = None
+        if step.capture_rows is not None and step.capture_rows.size:
+            rows = torch.from_numpy(step.capture_rows).to(self.device)
+            logits = self.logits(hidden[rows]).cpu()
         tokens = self.sample(hidden[torch.from_numpy(inputs.logit_rows).to(self.device)],
-                             temperatures[inputs.logit_owner])
-        bounds = np.searchsorted(inputs.logit_owner, np.arange(len(batch.seqs) + 1))
-        return [tokens[bounds[i]:bounds[i + 1]] for i in range(len(batch.seqs))]
+                             step.temperatures)
+        return tokens, logits
 
-    def _capture_prompt_logits(self, batch, inputs, hidden):
-        prompt_len = np.repeat([s.num_prompt_tokens for s in batch.seqs],
-                               np.diff(inputs.query_start_loc))
-        keep = inputs.positions < prompt_len
-        if self.capture_last_only:
-            keep &= inputs.positions == prompt_len - 1
-        rows = np.flatnonzero(keep)
-        if rows.size == 0:
-            return
-        logits = self.logits(hidden[torch.from_numpy(rows).to(self.device)]).cpu()
-        owner = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1
+    def _store_captured(self, batch, step: DeviceStep, logits):
+        owner = np.searchsorted(step.inputs.query_start_loc, step.capture_rows, side="right") - 1
         for i in np.unique(owner):
             seq = batch.seqs[int(i)]
             self.capture.setdefault(seq.seq_id, []).append(logits[torch.from_numpy(owner == i)])

@@ -295,6 +295,14 @@ class Llama4ForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
+def checkpoint_dtype(config, dtype=None) -> torch.dtype:
+    """``dtype``, or else the config's, or else float32."""
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return dtype
+
+
 def load_llama4(model_dir, device="cpu", dtype=None, tp: TPGroup = SINGLE) -> Llama4ForCausalLM:
     """Build the model from ``config.json`` and load every ``*.safetensors`` shard.
 
@@ -304,16 +312,14 @@ def load_llama4(model_dir, device="cpu", dtype=None, tp: TPGroup = SINGLE) -> Ll
 
     model_dir = Path(model_dir)
     config = load_text_config(model_dir)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = checkpoint_dtype(config, dtype)
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
         raise ValueError(f"{model_dir}: no *.safetensors files")
     with torch.device("meta"):
         model = Llama4ForCausalLM(config, tp)
+    # Tied embeddings: the LM head's slice is the embedding's (same rows of one matrix).
     rules = shard_rules(model) if tp.size > 1 else {}
-    tied = "lm_head.weight" in rules and getattr(config, "tie_word_embeddings", False)
     state = {}
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
@@ -323,8 +329,6 @@ def load_llama4(model_dir, device="cpu", dtype=None, tp: TPGroup = SINGLE) -> Ll
                 if not name.startswith(("model.", "lm_head.")):
                     continue
                 tensor = f.get_tensor(key)
-                if tied and name == "model.embed_tokens.weight":
-                    state["lm_head.weight"] = rules["lm_head.weight"].take(name, tensor)
                 state[name] = rules[name].take(name, tensor) if name in rules else tensor
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

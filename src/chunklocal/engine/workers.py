@@ -1,0 +1,244 @@
+"""Tensor parallelism: one spawned worker process per rank, driven by the caller's process.
+
+The caller's process keeps the scheduler and the block manager and never joins the
+process group: it pickles each step's :class:`~chunklocal.engine.model_runner.DeviceStep`
+once and sends the same bytes to every rank.  Each rank builds its own attention
+metadata, runs its slice of the model (collectives over torch.distributed: NCCL
+on GPUs, gloo on the CPU) and rank 0 sends back the sampled tokens.
+
+Failures: the caller waits on every worker's pipe *and* process sentinel, so a rank
+that raises (its traceback is sent) or dies (killed, out of memory) ends the wait at
+once; then every worker is stopped (ranks blocked in a collective with a dead peer
+are killed) and the call raises :class:`WorkerError`.  Because the caller holds no
+process group and no CUDA context, nothing in it can hang on a dead rank, and
+shutdown (:meth:`Workers.close`, also run by ``del llm`` and at interpreter exit)
+bounds how long it waits for a rank to tear its process group down before killing it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+
+from chunklocal.engine.model_runner import ModelRunner
+
+_STOP = b"stop"
+#: Seconds a stopping worker gets to tear down its process group before it is killed.
+STOP_GRACE_S = 10.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker failed or died; every worker has been stopped."""
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    model_dir: str
+    device_type: str    # "cpu" or "cuda" (rank r uses cuda:r)
+    dtype: torch.dtype | None
+    moe_parallel: str
+    num_threads: int    # torch CPU threads per worker
+    init_file: str      # torch.distributed FileStore rendezvous
+
+
+def _worker_main(rank: int, size: int, args: WorkerArgs, conn) -> None:
+    code = 1
+    try:
+        _serve(rank, size, args, conn)
+        code = 0
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the caller went away or stopped us: nothing to report to
+    except BaseException:
+        try:
+            conn.send(("error", rank, traceback.format_exc()))
+        except OSError:
+            pass
+    # No interpreter teardown: atexit hooks of a process group with a dead peer can hang.
+    os._exit(code)
+
+
+def _serve(rank: int, size: int, args: WorkerArgs, conn) -> None:
+    import torch.distributed as dist
+
+    from chunklocal.engine.runner_setup import build_runner
+    from chunklocal.models.llama4 import load_llama4
+    from chunklocal.models.parallel import TPGroup
+
+    torch.set_num_threads(args.num_threads)
+    cuda = args.device_type == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{args.init_file}",
+                            rank=rank, world_size=size, timeout=timedelta(minutes=10),
+                            **({"device_id": device} if cuda else {}))
+    model = load_llama4(args.model_dir, device, args.dtype,
+                        TPGroup(rank, size, None, args.moe_parallel))
+    free = torch.cuda.mem_get_info(device)[0] if cuda else None
+    conn.send(("loaded", next(model.parameters()).dtype, free))
+    runner = build_runner(conn.recv(), model, device)
+    conn.send(("ready", runner.graphs is not None))
+    while True:
+        payload = conn.recv_bytes()
+        if payload == _STOP:
+            break
+        step_id, step = pickle.loads(payload)
+        tokens, logits = runner.execute(step)
+        if rank == 0:
+            conn.send(("step", step_id, tokens, logits, runner.graph_steps))
+    if cuda:
+        torch.cuda.synchronize(device)
+    dist.destroy_process_group()
+
+
+def _stop(procs, conns, tmpdir, grace: float) -> None:
+    """Ask every worker to stop, wait up to ``grace`` seconds in all, kill the rest."""
+    for conn in conns:
+        try:
+            conn.send_bytes(_STOP)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class Workers:
+    """Ranks 0..size-1 as processes; construction returns once every rank has loaded
+    its weights (``kv_dtype``, ``free_bytes``: the least free device memory)."""
+
+    def __init__(self, size: int, args: dict):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._tmpdir = tempfile.mkdtemp(prefix="chunklocal-tp-")
+        self.args = WorkerArgs(init_file=os.path.join(self._tmpdir, "store"), **args)
+        self.procs, self.conns = [], []
+        self.failure: str | None = None
+        self._next_step = 0
+        for rank in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, size, self.args, child),
+                               name=f"chunklocal-tp-rank{rank}", daemon=True)
+            self.procs.append(proc)
+            self.conns.append(parent)
+            proc.start()
+            child.close()
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._tmpdir,
+                                           STOP_GRACE_S)
+        loaded = self._receive(range(size), "loaded")
+        self.kv_dtype = loaded[0][1]
+        frees = [msg[2] for msg in loaded.values() if msg[2] is not None]
+        self.free_bytes = min(frees) if frees else None
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.procs]
+
+    def setup(self, runner_setup) -> None:
+        """Send every rank the engine's KV groups; return when all have built their runner."""
+        for conn in self.conns:
+            self._send(conn, runner_setup)
+        self._receive(range(len(self.procs)), "ready")
+
+    def step(self, device_step):
+        """Run one step on every rank: (tokens, logits, rank 0's graph steps so far)."""
+        if self.failure is not None:
+            raise WorkerError(f"the tensor-parallel workers were stopped earlier: {self.failure}")
+        step_id, self._next_step = self._next_step, self._next_step + 1
+        payload = pickle.dumps((step_id, device_step), protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns:
+            self._send(conn, payload, raw=True)
+        while True:  # results of an interrupted earlier step may still be queued
+            msg = self._receive([0], "step")[0]
+            if msg[1] == step_id:
+                return msg[2], msg[3], msg[4]
+
+    def close(self, grace: float = STOP_GRACE_S) -> None:
+        """Stop every worker (idempotent); those not gone after ``grace`` s are killed."""
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            _stop(self.procs, self.conns, self._tmpdir, grace)
+
+    # -- failure detection ------------------------------------------------------------------
+    def _send(self, conn, obj, raw=False):
+        try:
+            conn.send_bytes(obj) if raw else conn.send(obj)
+        except OSError:
+            self._fail(f"rank {self.conns.index(conn)} is gone (pipe closed)")
+
+    def _receive(self, ranks, tag: str) -> dict:
+        """The next ``tag`` message of each rank in ``ranks``; any error or death first fails."""
+        pending, got = set(ranks), {}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        while pending:
+            ready = wait(list(self.conns) + list(sentinels))
+            for rank, conn in enumerate(self.conns):
+                if conn in ready or conn.poll():
+                    try:
+                        msg = conn.recv()
+                    except (EOFError, OSError):
+                        self._fail(self._death(rank))
+                    if msg[0] == "error":
+                        self._fail(f"rank {msg[1]} raised:\n{msg[2]}")
+                    if msg[0] == tag and rank in pending:
+                        got[rank] = msg
+                        pending.discard(rank)
+            for sentinel, rank in sentinels.items():
+                if sentinel in ready:
+                    self._fail(self._death(rank))
+        return got
+
+    def _death(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(1.0)
+        code = proc.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else \
+            f"exited with code {code}"
+        return f"rank {rank} (pid {proc.pid}) {how}"
+
+    def _fail(self, reason: str):
+        self.failure = reason
+        # Ranks blocked in a collective with a dead peer never read "stop": short grace.
+        self.close(grace=2.0)
+        raise WorkerError(f"tensor-parallel worker failure: {reason}; every worker is "
+                          "stopped, this LLM can not run again")
+
+
+def start_workers(size: int, model_dir, device: torch.device, dtype, moe_parallel) -> Workers:
+    """Spawn the ranks of ``LLM(..., tensor_parallel_size=size)``; rank r uses cuda:r."""
+    if device.type == "cuda" and (device.index is not None or torch.cuda.device_count() < size):
+        raise ValueError(f"tensor_parallel_size {size} runs rank r on cuda:r: pass "
+                         f"device='cuda' with at least {size} visible GPUs (got "
+                         f"device={str(device)!r}, {torch.cuda.device_count()} GPUs)")
+    return Workers(size, dict(model_dir=str(model_dir), device_type=device.type, dtype=dtype,
+                              moe_parallel=moe_parallel,
+                              num_threads=max(1, torch.get_num_threads() // size)))
+
+
+class RemoteRunner(ModelRunner):
+    """The host half of a tensor-parallel engine: it prepares steps, the ranks run them."""
+
+    def __init__(self, workers: Workers, block_manager, kind_to_group, chunk_size):
+        super().__init__(None, block_manager, kind_to_group, [], "cpu", None,
+                         chunk_size=chunk_size)
+        self.workers = workers
+
+    def execute(self, step):
+        tokens, logits, self.graph_steps = self.workers.step(step)
+        return tokens, logits
