@@ -15,11 +15,11 @@ from llama4_tiny import rel_err, tiny_config
 from tp_sim import groups, prefill_logits, random_full_state, rank_model, run_ranks
 
 from chunklocal.models.parallel import (
-    ColumnParallelLinear,
-    ParallelLMHead,
-    RowParallelLinear,
+    FirstRankOnly,
     ShardRule,
-    VocabParallelEmbedding,
+    column_parallel,
+    row_parallel,
+    vocab_embedding,
 )
 from chunklocal.models.sharding import check_tensor_parallel, kv_head_split, shard_rules
 
@@ -41,8 +41,7 @@ def test_shard_rule_cuts_fused_blocks_separately():
         ShardRule(1, 5, 0).take("w", full)
 
 
-def shard(module_cls, full: torch.nn.Module, tp, *args, **kwargs):
-    local = module_cls(*args, tp=tp, **kwargs)
+def shard(local: torch.nn.Module, full: torch.nn.Module) -> torch.nn.Module:
     rules = getattr(local, "shard_rules", {})
     state = {n: rules[n].take(n, t) if n in rules else t for n, t in full.state_dict().items()}
     local.load_state_dict(state, strict=True)
@@ -59,10 +58,10 @@ def test_linears_embedding_and_lm_head(n):
     emb, head = torch.nn.Embedding(12, 8), torch.nn.Linear(8, 12, bias=False)
 
     def per_rank(tp):
-        col = shard(ColumnParallelLinear, up, tp, 8, 12, True)(x)
-        return (col, shard(RowParallelLinear, down, tp, 12, 8, True)(col),
-                shard(VocabParallelEmbedding, emb, tp, 12, 8)(ids),
-                shard(ParallelLMHead, head, tp, 8, 12)(x))
+        col = shard(column_parallel(8, 12, True, tp), up)(x)
+        partial = shard(row_parallel(12, 8, True, tp), down)(col)
+        return (col, tp.all_reduce(partial), shard(vocab_embedding(12, 8, tp), emb)(ids),
+                tp.all_gather_last(shard(column_parallel(8, 12, False, tp), head)(x)))
 
     with torch.no_grad():
         outs = run_ranks(per_rank, groups(n))
@@ -72,6 +71,14 @@ def test_linears_embedding_and_lm_head(n):
         assert rel_err(outs[0][1], down(up(x))) < 1e-6  # bias of `down` added once
         assert torch.equal(outs[0][2], emb(ids))  # one real row + zeros: exact
         assert torch.allclose(outs[0][3], head(x), atol=1e-6)
+
+
+def test_one_rank_layers_are_the_plain_ones():
+    tp = groups(1)[0]
+    for layer in (column_parallel(8, 12, True, tp), row_parallel(12, 8, True, tp)):
+        assert type(layer) is torch.nn.Linear and not hasattr(layer, "shard_rules")
+    assert type(vocab_embedding(12, 8, tp)) is torch.nn.Embedding
+    assert FirstRankOnly(1).take("b", torch.ones(3)).tolist() == [0, 0, 0]
 
 
 CONFIGS = st.sampled_from([

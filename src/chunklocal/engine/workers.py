@@ -130,6 +130,7 @@ class Workers:
         self.args = WorkerArgs(init_file=os.path.join(self._tmpdir, "store"), **args)
         self.procs, self.conns = [], []
         self.failure: str | None = None
+        self._errors: dict[int, str] = {}  # rank -> traceback it sent
         self._next_step = 0
         for rank in range(size):
             parent, child = ctx.Pipe()
@@ -180,37 +181,57 @@ class Workers:
         try:
             conn.send_bytes(obj) if raw else conn.send(obj)
         except OSError:
-            self._fail(f"rank {self.conns.index(conn)} is gone (pipe closed)")
+            self._fail(self._diagnose())
 
     def _receive(self, ranks, tag: str) -> dict:
         """The next ``tag`` message of each rank in ``ranks``; any error or death first fails."""
         pending, got = set(ranks), {}
-        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        sentinels = [proc.sentinel for proc in self.procs]
         while pending:
-            ready = wait(list(self.conns) + list(sentinels))
+            ready = wait(list(self.conns) + sentinels)
+            problem = any(s in ready for s in sentinels)
             for rank, conn in enumerate(self.conns):
-                if conn in ready or conn.poll():
-                    try:
-                        msg = conn.recv()
-                    except (EOFError, OSError):
-                        self._fail(self._death(rank))
-                    if msg[0] == "error":
-                        self._fail(f"rank {msg[1]} raised:\n{msg[2]}")
-                    if msg[0] == tag and rank in pending:
-                        got[rank] = msg
-                        pending.discard(rank)
-            for sentinel, rank in sentinels.items():
-                if sentinel in ready:
-                    self._fail(self._death(rank))
+                if conn not in ready:
+                    continue
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    problem = True
+                    continue
+                if msg[0] == "error":
+                    self._errors[msg[1]] = msg[2]
+                    problem = True
+                elif msg[0] == tag and rank in pending:
+                    got[rank] = msg
+                    pending.discard(rank)
+            if problem:
+                self._fail(self._diagnose())
         return got
 
-    def _death(self, rank: int) -> str:
-        proc = self.procs[rank]
-        proc.join(1.0)
-        code = proc.exitcode
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else \
-            f"exited with code {code}"
-        return f"rank {rank} (pid {proc.pid}) {how}"
+    def _diagnose(self) -> str:
+        """Why the ranks failed: deaths by signal first (a peer's collective then raises a
+        connection error, which is a symptom), then tracebacks, then other exits."""
+        deadline = time.monotonic() + 1.0  # let a failing rank's exit status settle
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for conn in self.conns:
+            try:
+                while conn.poll():
+                    msg = conn.recv()
+                    if msg[0] == "error":
+                        self._errors[msg[1]] = msg[2]
+            except (EOFError, OSError):
+                pass
+        codes = [proc.exitcode for proc in self.procs]
+        killed = [r for r, code in enumerate(codes) if code is not None and code < 0]
+        exited = [r for r, code in enumerate(codes)
+                  if code is not None and code >= 0 and r not in self._errors]
+        reasons = [f"rank {r} (pid {self.procs[r].pid}) was killed by signal {-codes[r]}"
+                   for r in killed]
+        reasons += [f"rank {r} raised:\n{tb}" for r, tb in sorted(self._errors.items())]
+        reasons += [f"rank {r} (pid {self.procs[r].pid}) exited with code {codes[r]}"
+                    for r in exited]
+        return "; ".join(reasons) or "a rank closed its pipe"
 
     def _fail(self, reason: str):
         self.failure = reason

@@ -33,12 +33,11 @@ from chunklocal.models.llama4_config import (  # noqa: F401  (re-exported)
 )
 from chunklocal.models.parallel import (
     SINGLE,
-    ColumnParallelLinear,
-    ParallelLMHead,
-    RowParallelLinear,
     ShardRule,
     TPGroup,
-    VocabParallelEmbedding,
+    column_parallel,
+    row_parallel,
+    vocab_embedding,
 )
 from chunklocal.models.sharding import kv_head_split, shard_rules
 
@@ -74,13 +73,14 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inner: int, act: nn.Module, tp: TPGroup = SINGLE,
                  reduce: bool = True):
         super().__init__()
-        self.act = act
-        self.gate_proj = ColumnParallelLinear(hidden, inner, False, tp)
-        self.up_proj = ColumnParallelLinear(hidden, inner, False, tp)
-        self.down_proj = RowParallelLinear(inner, hidden, False, tp, reduce=reduce)
+        self.act, self.tp, self.reduce = act, tp, reduce
+        self.gate_proj = column_parallel(hidden, inner, False, tp)
+        self.up_proj = column_parallel(hidden, inner, False, tp)
+        self.down_proj = row_parallel(inner, hidden, False, tp)
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 class Experts(nn.Module):
@@ -92,11 +92,11 @@ class Experts(nn.Module):
         super().__init__()
         self.act = act
         n, r = tp.size, tp.rank
-        if tp.moe == "ep":
+        if n > 1 and tp.moe == "ep":
             num_experts //= n
             by_expert = ShardRule(0, n, r)
             self.shard_rules = {"gate_up_proj": by_expert, "down_proj": by_expert}
-        else:
+        elif n > 1:
             inner //= n
             self.shard_rules = {"gate_up_proj": ShardRule(2, n, r, parts=2),
                                 "down_proj": ShardRule(1, n, r)}
@@ -188,10 +188,11 @@ class Attention(nn.Module):
         bias = config.attention_bias
         hidden, hd = config.hidden_size, self.head_dim
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = ColumnParallelLinear(hidden, heads * hd, bias, tp)
-        self.k_proj = ColumnParallelLinear(hidden, kv_heads * hd, bias, tp, kv_replicas)
-        self.v_proj = ColumnParallelLinear(hidden, kv_heads * hd, bias, tp, kv_replicas)
-        self.o_proj = RowParallelLinear(heads * hd, hidden, bias, tp)
+        self.tp = tp
+        self.q_proj = column_parallel(hidden, heads * hd, bias, tp)
+        self.k_proj = column_parallel(hidden, kv_heads * hd, bias, tp, kv_replicas)
+        self.v_proj = column_parallel(hidden, kv_heads * hd, bias, tp, kv_replicas)
+        self.o_proj = row_parallel(heads * hd, hidden, bias, tp)
         # Paged caches [num_blocks, block_size, Hkv, D], bound by the model runner.
         self.k_cache = self.v_cache = None
 
@@ -216,7 +217,7 @@ class Attention(nn.Module):
         flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
         out = step.backend.forward(step.metadata, q, self.k_cache, self.v_cache, self.scale,
                                    chunked=step.chunked)
-        return self.o_proj(out.reshape(t, -1).to(x.dtype))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, -1).to(x.dtype)))
 
 
 def _rotate(x, freqs_cis):
@@ -245,7 +246,7 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -260,7 +261,7 @@ class Llama4ForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = TextModel(config, tp)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
+        self.lm_head = column_parallel(config.hidden_size, config.vocab_size, False, tp)
         self._inv_freq = None
         self._rope_scaling = 1.0
 
@@ -292,7 +293,7 @@ class Llama4ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden)
+        return self.tp.all_gather_last(self.lm_head(hidden))
 
 
 def checkpoint_dtype(config, dtype=None) -> torch.dtype:

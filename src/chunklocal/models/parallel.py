@@ -3,26 +3,26 @@
 Every rank holds one shard of each parallel weight and runs the same code on the
 same (replicated) input rows:
 
-* :class:`ColumnParallelLinear` keeps a slice of the output features (rows of the
+* :func:`column_parallel` keeps a slice of the output features (rows of the
   ``[out, in]`` weight); its output is that slice of the full output, no
   communication.  ``replicas`` ranks may hold the same slice (KV heads when the
   tensor-parallel size exceeds ``num_key_value_heads``).
-* :class:`RowParallelLinear` keeps a slice of the input features (columns); its
-  output is a partial sum, made whole by one all-reduce (or left partial with
-  ``reduce=False`` when a caller sums several partial outputs first, as the MoE
-  layer does with its shared expert and its routed experts).
-* :class:`VocabParallelEmbedding` keeps a slice of the vocabulary rows; tokens of
-  other ranks' slices look up zeros, and an all-reduce sums the one real row.
-* :class:`ParallelLMHead` keeps a slice of the vocabulary; an all-gather joins the
-  logit columns in vocabulary order.
+* :func:`row_parallel` keeps a slice of the input features (columns); its output
+  is a partial sum.  The model all-reduces explicitly, once per sum: after the
+  attention output projection, and after the MLP (or after the MoE layer's shared
+  plus routed experts), so two all-reduces per decoder layer.
+* :class:`VocabParallelEmbedding` keeps a slice of the vocabulary rows; the LM
+  head is a column-parallel linear whose logit slices the model all-gathers.
 
-Each module lists its sharded parameters in ``shard_rules`` (name ->
-:class:`ShardRule`); :func:`chunklocal.models.sharding.shard_rules` collects them
-so a loader can cut each full checkpoint tensor to this rank's slice.  Rules live
-on modules, not on parameters, because loading assigns new parameter objects.
+Both linear helpers build the layer with a ``make(in, out, bias)`` factory (a plain
+``nn.Linear`` by default, an FP8 linear where the checkpoint has one) and record
+which parameters are sliced how in the module's ``shard_rules`` (name -> rule);
+:func:`chunklocal.models.sharding.shard_rules` collects them so a loader can cut each
+full checkpoint tensor to this rank's slice.  Rules live on modules, not on
+parameters, because loading assigns new parameter objects.
 
-With ``TPGroup.size == 1`` every rule is the identity and no collective runs: the
-forward of each class is its ``torch.nn`` parent's (one extra attribute test).
+With ``TPGroup.size == 1`` the layers are exactly the plain ones (no rules, no
+wrapper) and every collective returns its input untouched.
 """
 
 from __future__ import annotations
@@ -98,58 +98,64 @@ class ShardRule:
         return torch.cat(pieces, dim=self.dim) if self.parts > 1 else pieces[0].clone()
 
 
-class ColumnParallelLinear(nn.Linear):
-    """``y[:, slice] = x @ W[slice].T``: this rank's slice of the output features."""
+@dataclass(frozen=True)
+class FirstRankOnly:
+    """Rank 0 keeps the full tensor, the others zeros: a bias added before a sum over ranks."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE,
-                 replicas: int = 1):
-        shards = tp.size // replicas
-        super().__init__(in_features, out_features // shards, bias=bias)
+    index: int
+
+    def take(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return full if self.index == 0 else torch.zeros_like(full)
+
+
+def plain_linear(in_features: int, out_features: int, bias: bool) -> nn.Module:
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def column_parallel(in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE,
+                    replicas: int = 1, make=plain_linear) -> nn.Module:
+    """``make(in, out / shards, bias)``: this rank's slice of the output features (rows of
+    the weight, of its per-output-channel scale, of the bias).  ``replicas`` ranks hold the
+    same slice (KV heads when the tensor-parallel size exceeds the KV head count)."""
+    shards = tp.size // replicas
+    layer = make(in_features, out_features // shards, bias)
+    if tp.size > 1:
         rule = ShardRule(0, shards, tp.rank // replicas)
-        self.shard_rules = {"weight": rule, **({"bias": rule} if bias else {})}
+        layer.shard_rules = {"weight": rule, "weight_scale": rule, "bias": rule}
+    return layer
 
 
-class RowParallelLinear(nn.Linear):
-    """``y = sum over ranks of x[:, slice] @ W[:, slice].T``; the bias is added once."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE,
-                 reduce: bool = True):
-        super().__init__(in_features // tp.size, out_features, bias=bias)
-        self.tp = tp
-        self.reduce = reduce and tp.size > 1
-        self.shard_rules = {"weight": ShardRule(1, tp.size, tp.rank)}
-
-    def forward(self, x):
-        if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        # Only rank 0 adds the bias, so the sum over ranks holds it once.
-        out = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
-        return self.tp.all_reduce(out) if self.reduce else out
+def row_parallel(in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE,
+                 make=plain_linear) -> nn.Module:
+    """``make(in / N, out, bias)``: this rank's slice of the input features (columns).  Its
+    output is a partial sum: the caller all-reduces it (once, after adding up any other
+    partial sums).  Per-output-channel scales are whole on every rank; the bias is rank
+    0's only, so the sum holds it once."""
+    layer = make(in_features // tp.size, out_features, bias)
+    if tp.size > 1:
+        layer.shard_rules = {"weight": ShardRule(1, tp.size, tp.rank),
+                             "bias": FirstRankOnly(tp.rank)}
+    return layer
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup = SINGLE):
+    """This rank's vocabulary rows; tokens of other ranks' rows look up zeros, and an
+    all-reduce sums the one real row (exact in any dtype)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup):
         super().__init__(num_embeddings // tp.size, embedding_dim)
         self.tp = tp
         self.vocab_start = tp.rank * (num_embeddings // tp.size)
         self.shard_rules = {"weight": ShardRule(0, tp.size, tp.rank)}
 
     def forward(self, input_ids):
-        if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         other = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(other, 0), self.weight)
         return self.tp.all_reduce(out.masked_fill_(other.unsqueeze(-1), 0))
 
 
-class ParallelLMHead(nn.Linear):
-    """Logits of this rank's vocabulary slice, gathered into full rows."""
-
-    def __init__(self, hidden_size: int, vocab_size: int, tp: TPGroup = SINGLE):
-        super().__init__(hidden_size, vocab_size // tp.size, bias=False)
-        self.tp = tp
-        self.shard_rules = {"weight": ShardRule(0, tp.size, tp.rank)}
-
-    def forward(self, hidden):
-        return self.tp.all_gather_last(F.linear(hidden, self.weight))
+def vocab_embedding(num_embeddings: int, embedding_dim: int, tp: TPGroup = SINGLE):
+    if tp.size == 1:
+        return nn.Embedding(num_embeddings, embedding_dim)
+    return VocabParallelEmbedding(num_embeddings, embedding_dim, tp)
