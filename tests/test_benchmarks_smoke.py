@@ -152,3 +152,16 @@ def test_dense_alternatives_match_independent_oracle():
         torch.testing.assert_close(flex_out, expected, rtol=1e-9, atol=1e-9)
         ref, index = dense.reference_rows(d)
         torch.testing.assert_close(ref, expected[index], rtol=1e-9, atol=1e-9)
+
+
+def test_tp_decode_smoke(tmp_path):
+    """Two gloo ranks on the CPU, tiny model: every cell runs, floors and all-reduce are set."""
+    from benchmarks import tp_decode
+
+    assert tp_decode.main(["--smoke", "--moe", "tp", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "tp_decode_smoke.json")
+    rows = data["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(2, 20), (4, 20), (2, 70), (4, 70)]
+    assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 and r["allreduce_ms"] > 0 for r in rows)
+    # 4 layers: 2 all-reduces each (attention, MoE) + the embedding's
+    assert {r["allreduce_calls"] for r in rows} == {9}
