@@ -165,3 +165,17 @@ def test_tp_decode_smoke(tmp_path):
     assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 and r["allreduce_ms"] > 0 for r in rows)
     # 4 layers: 2 all-reduces each (attention, MoE) + the embedding's
     assert {r["allreduce_calls"] for r in rows} == {9}
+
+
+def test_decode_ab_smoke(tmp_path):
+    """Both children run (here the same tree twice) and the ratio is written."""
+    from pathlib import Path
+
+    from benchmarks import decode_ab
+
+    root = str(Path(decode_ab.__file__).resolve().parents[1])
+    assert decode_ab.main(["--a", root, "--b", root, "--smoke", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "decode_ab_smoke.json")
+    assert [r["tree"] for r in data["rows"]] == ["A", "B"]
+    assert all(r["decode_ms"] > 0 and r["decode_steps"] > 0 for r in data["rows"])
+    assert data["b_over_a"] > 0
