@@ -38,7 +38,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_batch(b: int, args) -> dict:
     from chunklocal.backends.base import EngineLimits
     from chunklocal.backends.flashinfer import FlashInferBackend
-    from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
+    from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, Kind, merge
 
     chunk, block = args.chunk, wl.BLOCK
     batch = decode_batch(b, args.min_context, args.max_context, chunk)
@@ -55,8 +55,8 @@ def run_batch(b: int, args) -> dict:
     qsl, seq, table = batch.query_start_loc, batch.seq_lens, batch.block_table
 
     def layers(md):
-        return (backend.forward(md, q, k_cache, v_cache, scale, chunked=True),
-                backend.forward(md, q, k_cache, v_cache, scale, chunked=False))
+        return (backend.forward(md, q, k_cache, v_cache, scale, kind=Kind.CHUNKED),
+                backend.forward(md, q, k_cache, v_cache, scale, kind=Kind.GLOBAL))
 
     def eager_step():
         return layers(backend.build(qsl, seq, table))

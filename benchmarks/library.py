@@ -74,14 +74,17 @@ def chunked_forward(batch: wl.Batch, chunk: int, block: int, inputs, **backend_k
 
 
 def _host_only(batch: wl.Batch, limits: EngineLimits, chunk: int, block: int) -> StepBuilders:
-    from chunklocal.metadata import MetadataBuffers, step_capacity, write_step
+    from chunklocal.backends.flashinfer.buffers import MetadataBuffers, write_step
+    from chunklocal.bounds.sizing import step_capacity
+    from chunklocal.kv_spec import Kind
 
     qsl, seq, table = batch.query_start_loc, batch.seq_lens, batch.block_table
     query_lens = np.diff(qsl)
     builders = []
     num_vb = 0
     for spec, c in zip(specs(chunk, block), (chunk, None), strict=True):
-        buffers = MetadataBuffers(step_capacity(spec, limits, chunked=c is not None), block,
+        kind = Kind.CHUNKED if c else Kind.GLOBAL
+        buffers = MetadataBuffers(step_capacity(spec, limits, kind=kind), block,
                                   device="cpu", name="chunked" if c else "global")
 
         def build(buffers=buffers, c=c):

@@ -44,8 +44,10 @@ def flat_page_index(kv_lens, first_page, rows, width: int, block: int) -> np.nda
 def main(argv=None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
-    from chunklocal.graph_layout import graph_slots
-    from chunklocal.metadata import MetadataBuffers, step_capacity, write_step
+    from chunklocal.backends.flashinfer.buffers import MetadataBuffers, write_step
+    from chunklocal.backends.flashinfer.graph_layout import graph_slots
+    from chunklocal.bounds.sizing import step_capacity
+    from chunklocal.kv_spec import Kind
     from chunklocal.virtual_batches import make_virtual_batches, validate_batch
 
     batch = (wl.decode_ragged_contexts(16, 1024, 32768) if args.smoke
@@ -55,8 +57,8 @@ def main(argv=None) -> int:
     query_lens, width = np.diff(qsl), table.shape[1]
     limits = limits_for(batch, wl.BLOCK)
     chunked_spec, global_spec = specs(wl.CHUNK, wl.BLOCK)
-    cbuf = MetadataBuffers(step_capacity(chunked_spec, limits, chunked=True), wl.BLOCK)
-    gbuf = MetadataBuffers(step_capacity(global_spec, limits, chunked=False), wl.BLOCK)
+    cbuf = MetadataBuffers(step_capacity(chunked_spec, limits, kind=Kind.CHUNKED), wl.BLOCK)
+    gbuf = MetadataBuffers(step_capacity(global_spec, limits, kind=Kind.GLOBAL), wl.BLOCK)
     rows = np.arange(batch.num_reqs)
     no_offset = np.zeros(batch.num_reqs, np.int64)
     slots = graph_slots(seq.astype(np.int64), 1, wl.CHUNK, wl.BLOCK, False)

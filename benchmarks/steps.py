@@ -44,7 +44,6 @@ class StepBuilders:
 def library_available() -> bool:
     try:
         import chunklocal.backends.flashinfer  # noqa: F401
-        import chunklocal.metadata  # noqa: F401
     except Exception:  # noqa: BLE001 - absent, or flashinfer missing on a CPU machine
         return False
     return True
@@ -83,7 +82,9 @@ def torch_step_builders(batch: wl.Batch, device: str, chunk: int, block: int) ->
             return backend.forward(state["meta"], q, k_cache, v_cache, scale)
 
         builders.append(StepBuilder(build, forward, lambda: (q, k_cache, v_cache)))
-    num_vb = int(states[0]["meta"][True].seq_lens.shape[0])
+    from chunklocal.kv_spec import Kind
+
+    num_vb = int(states[0]["meta"][Kind.CHUNKED].seq_lens.shape[0])
     return StepBuilders("torch reference", builders[0], builders[1], num_vb)
 
 

@@ -18,8 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunklocal import bounds, verify_bounds
+from chunklocal import bounds
 from chunklocal.backends.base import EngineLimits
+from chunklocal.bounds import closed_forms
+from chunklocal.bounds import verify as verify_bounds
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 from chunklocal.virtual_batches import make_virtual_batches
 
@@ -176,9 +178,9 @@ def test_random_large_batches_never_exceed_bounds(case):
 def test_vectorised_formulas_match_public_functions(n_max, tokens, chunk, model_len, block_size):
     chunk *= block_size
     grid = np.array([[n_max]]), np.array([[tokens]])
-    assert bounds._virtual_batches_formula(*grid, chunk, model_len)[0, 0] == \
+    assert closed_forms._virtual_batches_formula(*grid, chunk, model_len)[0, 0] == \
         bounds.max_virtual_batches(n_max, tokens, chunk, model_len)
-    assert bounds._local_pages_formula(*grid, chunk, model_len, block_size)[0, 0] == \
+    assert closed_forms._local_pages_formula(*grid, chunk, model_len, block_size)[0, 0] == \
         bounds.max_local_pages(n_max, tokens, chunk, model_len, block_size)
     # No L means L never binds: the same as any L >= T + c.
     assert bounds.max_virtual_batches(n_max, tokens, chunk) == \

@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import dense_chunked_attention
 
-from chunklocal import cli, demo, make_virtual_batches, sizing
+from chunklocal import cli, make_virtual_batches
+from chunklocal.cli import demo
+from chunklocal.cli import plan as sizing
 from chunklocal.reference import reference_attention
 
 REPORTER = ["--max-num-seqs", "1", "--max-num-batched-tokens", "36000", "--max-model-len",
@@ -254,10 +256,36 @@ def test_demo_passes_valid_arguments_through(monkeypatch, tmp_path):
 ])
 def test_verify_bounds_rejects_bad_arguments_before_the_sweep(monkeypatch, capsys, args,
                                                               message):
-    from chunklocal import verify_bounds
+    from chunklocal.bounds import verify as verify_bounds
 
     monkeypatch.setattr(verify_bounds, "sweep", lambda *a, **k: pytest.fail("sweep ran"))
     with pytest.raises(SystemExit) as exc:
         cli.main(["verify-bounds", *args])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_prints_what_the_backend_allocates_with_graph_room(capsys):
+    """Verify graphs give every request two slots: with T = N the graph layout, not the step
+    bound, decides the indptr length, and plan must print that (2 * 8 + 1 = 17)."""
+    from chunklocal.backends.base import EngineLimits
+    from chunklocal.backends.flashinfer.buffers import MetadataBuffers
+    from chunklocal.bounds.sizing import backend_capacities
+    from chunklocal.kv_spec import ChunkedLocalAttentionSpec, Kind
+
+    args = ["--max-num-seqs", "8", "--max-num-batched-tokens", "8", "--max-model-len", "36000",
+            "--num-speculative-tokens", "3"]
+    rows = {r["buffer"]: r for r in json.loads(run_cli(capsys, "plan", *args, "--json")[1])
+            ["buffers"]}
+    eager = {r["buffer"]: r for r in json.loads(
+        run_cli(capsys, "plan", *args, "--no-cuda-graphs", "--json")[1])["buffers"]}
+    assert eager["paged_kv_indptr"]["ours"] == 9  # 8 requests, one virtual batch each
+    assert rows["paged_kv_indptr"]["ours"] == 17
+    # The backend's own allocation, made from the same call, has exactly these lengths.
+    spec = ChunkedLocalAttentionSpec(16, 8, 128, torch.bfloat16, attention_chunk_size=8192)
+    sizes = backend_capacities(spec, EngineLimits(8, 8, 36000, 16), True, 4)
+    buffers = MetadataBuffers(sizes.capacities[Kind.CHUNKED], 16, verify_rows=sizes.verify_rows)
+    for name in ("qo_indptr", "paged_kv_indptr", "paged_kv_last_page_len", "paged_kv_indices"):
+        assert buffers.gpu[name].shape[0] == rows[name]["ours"], name
+    out = run_cli(capsys, "plan", *args)[1]
+    assert "CUDA graphs: batch sizes 1, 2, 4, 8, query lengths 1, 4" in out

@@ -1,4 +1,4 @@
-"""`chunklocal demo` stage 3 (chunklocal.demo_model) on a shorter prompt.
+"""`chunklocal demo` stage 3 (chunklocal.cli.demo_model) on a shorter prompt.
 
 The full default run (36000 tokens) is the README's first command; here the same
 code runs a 9000-token prompt (two chunks of c = 8192) so CI stays fast.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from chunklocal import demo_model
+from chunklocal.cli import demo_model
 
 
 def test_engine_demo_runs_and_checks(capsys):

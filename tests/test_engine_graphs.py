@@ -59,12 +59,12 @@ class FakeGraphBackend:
         md.rows = int(query_start_loc[-1])
         return md
 
-    def forward(self, md, q, k_cache, v_cache, scale, *, chunked=None):
+    def forward(self, md, q, k_cache, v_cache, scale, *, kind=None):
         if not isinstance(md, StaticMetadata):
-            return self.inner.forward(md, q, k_cache, v_cache, scale, chunked=chunked)
+            return self.inner.forward(md, q, k_cache, v_cache, scale, kind=kind)
         out = torch.zeros_like(q)
         out[:md.rows] = self.inner.forward(md.inner, q[:md.rows], k_cache, v_cache, scale,
-                                           chunked=chunked)
+                                           kind=kind)
         return out
 
 
@@ -80,9 +80,9 @@ def ckpt(tmp_path_factory):
 def with_cpu_graphs(llm, batch_sizes, query_lens):
     runner = llm.runner
     runner.backends = [FakeGraphBackend(b) for b in runner.backends]
-    runner.graphs = CpuGraphs(runner.model, runner.backends, runner.kind_to_group,
-                              [runner.scratch_page(g) for g in range(len(runner.groups))],
-                              runner.block_size, batch_sizes, query_lens, runner.device)
+    runner.graphs = CpuGraphs(runner.model, runner.graph_steps_for,
+                              [grp.scratch_page * runner.block_size for grp in runner.groups],
+                              batch_sizes, query_lens, runner.device)
     llm.scheduler.pad_drafts = len(query_lens) > 1
     return runner.graphs
 

@@ -75,7 +75,7 @@ class FakeRunner:
                 for pos in range(start, start + n):
                     self.kv[g][table[pos // bs], pos % bs] = code(seq.seq_id, pos, view[pos])
                 for p in range(start, start + n):
-                    first = 0 if grp.free_chunk is None else (p // grp.free_chunk) * grp.free_chunk
+                    first = 0 if grp.chunk_size is None else (p // grp.chunk_size) * grp.chunk_size
                     for key in range(first, p + 1):
                         assert key // bs >= seq.first_owned_page[g], "reads a freed page"
                         stored = self.kv[g][table[key // bs], key % bs]

@@ -11,7 +11,7 @@ import torch
 from chunklocal import ChunkedLocalAttentionSpec, FullAttentionSpec, chunk_size_of, merge
 from chunklocal.kv_spec import needs_global_pages
 
-GEOMETRY = dict(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+GEOMETRY = dict(block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
 
 def full(**kw):
@@ -42,7 +42,7 @@ def test_positional_construction_and_page_bytes():
 @pytest.mark.parametrize("make,message", [
     (lambda: full(block_size=0), r"block_size must be positive, got 0"),
     (lambda: full(num_kv_heads=-1), r"num_kv_heads must be positive, got -1"),
-    (lambda: full(head_size=0), r"head_size must be positive, got 0"),
+    (lambda: full(head_dim=0), r"head_dim must be positive, got 0"),
     (lambda: full(attention_chunk_size=100), r"attention_chunk_size 100.*block_size 16"),
     (lambda: full(attention_chunk_size=-16), r"attention_chunk_size -16"),
     (lambda: full(dtype="bf16"), r"dtype must be a torch.dtype"),
@@ -84,7 +84,7 @@ def test_merge_checks_the_chunk_size():
 
 
 @pytest.mark.parametrize("field,value", [("block_size", 32), ("num_kv_heads", 4),
-                                         ("head_size", 64), ("dtype", torch.float16),
+                                         ("head_dim", 64), ("dtype", torch.float16),
                                          ("sliding_window", 512)])
 def test_merge_rejects_geometry_mismatch(field, value):
     with pytest.raises(ValueError, match=rf"spec 2: {field}="):
@@ -106,9 +106,9 @@ def test_needs_global_pages_is_conservative_for_foreign_specs():
     assert needs_global_pages(full(attention_chunk_size=8192))
 
 
-@pytest.mark.parametrize("field", ["block_size", "num_kv_heads", "head_size"])
+@pytest.mark.parametrize("field", ["block_size", "num_kv_heads", "head_dim"])
 def test_fractional_geometry_is_refused_not_truncated(field):
-    values = dict(block_size=16, num_kv_heads=8, head_size=128)
+    values = dict(block_size=16, num_kv_heads=8, head_dim=128)
     values[field] = 16.5
     with pytest.raises(ValueError, match=rf"{field} must be an integer, got 16.5"):
         FullAttentionSpec(dtype=torch.bfloat16, **values)

@@ -21,7 +21,7 @@ from test_reference import attention_batches, make_tensors
 from chunklocal import reference
 from chunklocal.backends import torch_ref
 from chunklocal.backends.torch_ref import TorchRefBackend
-from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec
+from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, Kind
 from chunklocal.reference import (
     paged_causal_attention,
     plan_paged_attention,
@@ -106,7 +106,8 @@ class _NoNumpy:
 HOST_STEPS = [(reference, "plan_paged_attention"), (reference, "validate_batch"),
               (reference, "make_virtual_batches"), (reference, "_tiles"),
               (reference, "_groups"), (reference, "_check_pages"),
-              (torch_ref, "plan_paged_attention"), (torch_ref, "make_virtual_batches")]
+              (reference, "plan_validated"), (torch_ref, "plan_validated"),
+              (torch_ref, "split_batch"), (torch_ref, "validate_batch")]
 
 
 def forbid_host_work(monkeypatch):
@@ -139,16 +140,18 @@ def test_backend_forward_does_no_host_work(monkeypatch, kind, with_heads):
     args = [torch.from_numpy(b[x]).to(torch.int32) for x in ("qsl", "seq", "table")]
     with mock.patch.object(reference, "_TILE_ROWS", 8):  # several tiles per request
         plans = backend.build(*args)
-    kinds = {"chunked": [True], "global": [False], "merged": [True, False]}[kind]
-    assert sorted(plans) == sorted(kinds)
+    kinds = {"chunked": [Kind.CHUNKED], "global": [Kind.GLOBAL],
+             "merged": [Kind.CHUNKED, Kind.GLOBAL]}[kind]
+    assert list(plans) == kinds
     forbid_host_work(monkeypatch)
     for layer in range(4):
-        chunked = kinds[layer % len(kinds)]
+        layer_kind = kinds[layer % len(kinds)]
         q, k, v = layer_tensors(b, layer)
         out = backend.forward(plans, q, k, v, SCALE,
-                              chunked=chunked if kind == "merged" else None)
+                              kind=layer_kind if kind == "merged" else None)
         want = dense_chunked_attention(q, k, v, b["qsl"], b["seq"], b["table"],
-                                       b["chunk"] if chunked else None, SCALE)
+                                       b["chunk"] if layer_kind is Kind.CHUNKED else None,
+                                       SCALE)
         torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
 
 
@@ -158,12 +161,12 @@ def test_backend_lower_precision_cache_and_queries():
              shape=(24, 2, 4, 16), seed=3, extra_rows=0)
     backend = TorchRefBackend(spec_for(b, "merged"), num_q_heads=4)
     plans = backend.build(b["qsl"], b["seq"], b["table"])
-    for chunked in (True, False):
+    for kind in Kind:
         q, k, v = make_tensors(b, torch.bfloat16)
-        out = backend.forward(plans, q, k, v, SCALE, chunked=chunked)
+        out = backend.forward(plans, q, k, v, SCALE, kind=kind)
         assert out.dtype == torch.bfloat16
         want = dense_chunked_attention(q, k, v, b["qsl"], b["seq"], b["table"],
-                                       8 if chunked else None, SCALE)
+                                       8 if kind is Kind.CHUNKED else None, SCALE)
         torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
 
 
@@ -172,7 +175,7 @@ def test_merged_backend_needs_the_layer_kind():
     backend = TorchRefBackend(spec_for(b, "merged"))
     plans = backend.build(np.array([0, 1]), np.array([1]), np.array([[0]]))
     q, k = torch.zeros(1, 1, 4), torch.zeros(8, 4, 1, 4)
-    with pytest.raises(ValueError, match="merged group needs chunked"):
+    with pytest.raises(ValueError, match="has chunked and global layers: pass kind="):
         backend.forward(plans, q, k, k, 1.0)
 
 
@@ -263,8 +266,8 @@ def test_forward_on_a_missing_layer_kind_is_a_value_error():
     plans = backend.build([0, 3], [3], [[0]])
     q = torch.randn(3, 1, 8)
     cache = torch.randn(1, 4, 1, 8)
-    with pytest.raises(ValueError, match="chunked=True: this KV group has no chunked layers"):
-        backend.forward(plans, q, cache, cache, 1.0, chunked=True)
+    with pytest.raises(ValueError, match="this KV group has no chunked layers"):
+        backend.forward(plans, q, cache, cache, 1.0, kind=Kind.CHUNKED)
 
 
 @pytest.mark.parametrize("kind", ["chunked", "merged"])
@@ -276,3 +279,24 @@ def test_backend_build_errors_name_the_callers_request(kind):
     table = np.array([[0, 1, 2], [-1, 0, 0]])
     with pytest.raises(ValueError, match=r"^request 1: block_table\[1, 0\] = -1 is not a page"):
         backend.build([0, 6, 7], [6, 1], table)
+
+
+def test_backend_build_validates_the_batch_once(monkeypatch):
+    """The trust boundary: one validate_batch per build, even for a merged group."""
+    from chunklocal import virtual_batches
+
+    calls = []
+    real = virtual_batches.validate_batch
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    for module in (virtual_batches, torch_ref, reference):
+        monkeypatch.setattr(module, "validate_batch", counting)
+    b = dict(block=4, shape=(8, 1, 1, 4), chunk=8)
+    backend = TorchRefBackend(spec_for(b, "merged"))
+    backend.build(np.array([0, 3, 12]), np.array([3, 12]), np.array([[0, 0, 0], [1, 2, 3]]))
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="request 1: query length 13 exceeds seq_len 12"):
+        backend.build(np.array([0, 3, 16]), np.array([3, 12]), np.array([[0, 0, 0], [1, 2, 3]]))

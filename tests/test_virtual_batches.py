@@ -306,3 +306,11 @@ def test_negative_page_check_matches_a_per_entry_rule(data):
 def test_ragged_inputs_name_the_argument(args, name):
     with pytest.raises(ValueError, match=rf"{name} must be a \d-D int array, got a ragged"):
         make_virtual_batches(*args, 4, 2)
+
+
+def test_validate_batch_keeps_an_int32_table_without_copying():
+    """The FlashInfer backend gathers pages from the table validate_batch returns."""
+    table = np.arange(8, dtype=np.int32).reshape(2, 4)
+    assert validate_batch([0, 1, 2], [4, 4], table, 2)[2] is table
+    tensor = torch.from_numpy(table)
+    assert np.shares_memory(validate_batch([0, 1, 2], [4, 4], tensor, 2)[2], table)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.backends.torch_ref import TorchRefBackend
 from chunklocal.kv_spec import FullAttentionSpec
-from chunklocal.models.llama4 import CHUNKED, GLOBAL, AttentionStep, Llama4ForCausalLM
+from chunklocal.models.llama4 import Llama4ForCausalLM
 from chunklocal.models.parallel import TPGroup
 from chunklocal.models.sharding import shard_rules
 
@@ -100,7 +101,6 @@ def prefill_logits(model, ids: list[int], block_size: int = 4) -> torch.Tensor:
     metadata = backend.build(np.array([0, t], np.int32), np.array([t], np.int32),
                              np.arange(pages, dtype=np.int32)[None])
     slots = torch.arange(t)
-    steps = {CHUNKED: AttentionStep(backend, metadata, slots, True),
-             GLOBAL: AttentionStep(backend, metadata, slots, False)}
+    steps = {kind: AttentionStep(backend, metadata, slots, kind) for kind in Kind}
     positions = torch.arange(t)
     return model.compute_logits(model(torch.tensor(ids), positions, steps))

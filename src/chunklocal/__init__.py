@@ -6,9 +6,9 @@ import importlib
 
 __version__ = "0.1.0"
 
-# Public name -> module that defines it.  Imported on first use so that
-# `import chunklocal` stays cheap and optional parts (GPU, transformers) load
-# only when asked for.
+# Public name -> module that defines it, imported on first use: `import chunklocal`
+# stays a hundredth of a second instead of paying for torch and the engine up front
+# (BENCHMARKS.md, "Import time"), and the numpy-only bounds stay cheap to reach.
 _EXPORTS = {
     "make_virtual_batches": "virtual_batches",
     "VirtualBatches": "virtual_batches",
@@ -32,9 +32,9 @@ _EXPORTS = {
     "buffer_sizes": "bounds",
     "BufferSizes": "bounds",
     "EngineLimits": "backends.base",
-    "FlashInferBackend": "backends.flashinfer",
-    "MetadataBuffers": "metadata",
-    "CapacityError": "metadata",
+    "FlashInferBackend": "backends.flashinfer.backend",
+    "MetadataBuffers": "backends.flashinfer.buffers",
+    "CapacityError": "backends.flashinfer.buffers",
     "LLM": "engine.llm",
 }
 

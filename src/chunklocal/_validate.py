@@ -7,6 +7,8 @@ import operator
 
 import numpy as np
 
+INT32_MAX = np.iinfo(np.int32).max  # page ids and lengths reach kernels as int32
+
 
 def as_int_array(value, name: str, ndim: int, keep_dtype: bool = False) -> np.ndarray:
     """Return ``value`` (numpy array, CPU torch tensor or sequence) as int64 numpy.
@@ -59,6 +61,14 @@ def check_chunk_geometry(chunk_size: int, block_size: int) -> None:
             f"chunk_size {chunk_size} is not a multiple of block_size {block_size}: "
             "a chunk must start on a page boundary"
         )
+
+
+def check_window(query_len: int, chunk_size: int | None) -> None:
+    """The two-slot layout holds a window of query_len tokens only if query_len <= chunk."""
+    if chunk_size is not None and query_len > chunk_size:
+        raise ValueError(f"query_len {query_len} exceeds the chunk size {chunk_size}: a graph "
+                         "step's window must fit in one chunk so that it touches at most two "
+                         "chunks")
 
 
 def cdiv(a, b):

@@ -13,11 +13,21 @@ so a merged spec's chunk size is the one chunk size of all its chunked layers.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from chunklocal._validate import as_int
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Kind(enum.Enum):
+    """How a layer attends: within its chunk (RoPE layers) or over the whole sequence."""
+
+    CHUNKED = "chunked"
+    GLOBAL = "global"
 
 
 @dataclass(frozen=True)
@@ -26,7 +36,7 @@ class FullAttentionSpec:
 
     block_size: int
     num_kv_heads: int
-    head_size: int
+    head_dim: int
     dtype: torch.dtype
     attention_chunk_size: int | None = None
     sliding_window: int | None = None
@@ -35,10 +45,12 @@ class FullAttentionSpec:
     has_global_layers: bool = True
 
     def __post_init__(self):
-        for name in ("block_size", "num_kv_heads", "head_size"):
+        for name in ("block_size", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if as_int(value, f"{type(self).__name__}.{name}") <= 0:
                 raise ValueError(f"{type(self).__name__}.{name} must be positive, got {value}")
+        import torch  # here, not at the top: sizing (bounds/) reads specs without torch
+
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"{type(self).__name__}.dtype must be a torch.dtype, "
                              f"got {self.dtype!r}")
@@ -56,8 +68,7 @@ class FullAttentionSpec:
     @property
     def page_size_bytes(self) -> int:
         """Bytes of K and V for one page of one layer."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -95,16 +106,16 @@ def needs_global_pages(spec) -> bool:
     return chunk_size_of(spec) is None or bool(getattr(spec, "has_global_layers", True))
 
 
-def attention_kinds(spec) -> tuple[bool, ...]:
-    """Which layer kinds read this spec: (True,) chunked, (False,) global, or both (merged)."""
-    chunked = (True,) if chunk_size_of(spec) else ()
-    return chunked + ((False,) if needs_global_pages(spec) else ())
+def attention_kinds(spec) -> tuple[Kind, ...]:
+    """Which layer kinds read this spec: (CHUNKED,), (GLOBAL,), or both (a merged group)."""
+    chunked = (Kind.CHUNKED,) if chunk_size_of(spec) else ()
+    return chunked + ((Kind.GLOBAL,) if needs_global_pages(spec) else ())
 
 
 def merge(specs) -> FullAttentionSpec:
     """Merge the specs of the layers of one KV-cache group into one spec.
 
-    Geometry (block_size, num_kv_heads, head_size, dtype, sliding_window) must
+    Geometry (block_size, num_kv_heads, head_dim, dtype, sliding_window) must
     agree, and so must the chunk size of every chunked layer.  The result keeps
     the chunk size and records whether global layers share the group.
     """
@@ -112,7 +123,7 @@ def merge(specs) -> FullAttentionSpec:
     if not specs:
         raise ValueError("merge() needs at least one spec")
     first = specs[0]
-    geometry = ("block_size", "num_kv_heads", "head_size", "dtype", "sliding_window")
+    geometry = ("block_size", "num_kv_heads", "head_dim", "dtype", "sliding_window")
     for i, spec in enumerate(specs[1:], start=1):
         for name in geometry:
             if getattr(spec, name) != getattr(first, name):
@@ -127,11 +138,11 @@ def merge(specs) -> FullAttentionSpec:
     has_global = any(needs_global_pages(s) for s in specs)
     if chunk is not None and not has_global:
         return ChunkedLocalAttentionSpec(
-            first.block_size, first.num_kv_heads, first.head_size, first.dtype,
+            first.block_size, first.num_kv_heads, first.head_dim, first.dtype,
             attention_chunk_size=chunk, sliding_window=first.sliding_window,
         )
     base = FullAttentionSpec(
-        first.block_size, first.num_kv_heads, first.head_size, first.dtype,
+        first.block_size, first.num_kv_heads, first.head_dim, first.dtype,
         sliding_window=first.sliding_window,
     )
     return replace(base, attention_chunk_size=chunk, has_global_layers=has_global)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chunklocal._validate import as_int, as_int_array, cdiv
+from chunklocal._validate import as_int, as_int_array, cdiv, raise_first
 from chunklocal.virtual_batches import make_virtual_batches, validate_batch
 
 _TILE_ROWS = 128
@@ -170,15 +170,27 @@ def plan_paged_attention(query_start_loc, seq_lens, block_table, *, block_size: 
         raise ValueError(f"num_pages must be non-negative, got {num_pages}")
     qsl, seq, table, query_lens = validate_batch(query_start_loc, seq_lens, block_table,
                                                  block_size)
-    offset = np.zeros_like(seq)
     if kv_start is not None:
-        start = as_int_array(kv_start, "kv_start", ndim=1)
-        if start.shape != seq.shape:
-            raise ValueError(f"kv_start has {start.shape[0]} entries, seq_lens {seq.shape[0]}")
-        bad = np.flatnonzero(start < 0)
-        if bad.size:
-            raise ValueError(f"request {int(bad[0])}: kv_start {int(start[bad[0]])} is negative")
-        offset = start % block_size
+        kv_start = as_int_array(kv_start, "kv_start", ndim=1)
+        if kv_start.shape != seq.shape:
+            raise ValueError(f"kv_start has {kv_start.shape[0]} entries, seq_lens "
+                             f"{seq.shape[0]}")
+        raise_first(kv_start < 0, lambda i: f"request {i}: kv_start {int(kv_start[i])} is "
+                    "negative")
+    return plan_validated(qsl, seq, table, query_lens, block_size=block_size,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim, num_q_heads=num_q_heads,
+                          kv_start=kv_start, num_pages=num_pages, device=device)
+
+
+def plan_validated(query_start_loc, seq_lens, block_table, query_lens, *, block_size: int,
+                   num_kv_heads: int, head_dim: int, num_q_heads: int | None = None,
+                   kv_start=None, num_pages: int | None = None,
+                   device="cpu") -> PagedAttentionPlan:
+    """:func:`plan_paged_attention` on a batch ``validate_batch`` already checked (numpy)."""
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    table, query_lens = block_table, np.asarray(query_lens, dtype=np.int64)
+    offset = np.zeros_like(seq) if kv_start is None else np.asarray(kv_start) % block_size
     pages_end = _check_pages(seq, table, offset, block_size, num_pages)
 
     device = _concrete_device(device)

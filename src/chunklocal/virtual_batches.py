@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from chunklocal._validate import as_int_array, check_chunk_geometry, raise_first
+from chunklocal._validate import INT32_MAX, as_int_array, check_chunk_geometry, raise_first
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,6 @@ class VirtualBatches:
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_start_loc)
 
-
-_INT32_MAX = np.iinfo(np.int32).max
 
 
 def validate_batch(query_start_loc, seq_lens, block_table, block_size: int):
@@ -79,7 +77,7 @@ def validate_batch(query_start_loc, seq_lens, block_table, block_size: int):
         f"request {i}: query length {int(query_lens[i])} exceeds seq_len {int(seq[i])}"))
     if table.size and (table.dtype.itemsize > 4 or table.dtype == np.uint32):
         # Page ids reach kernels as int32: one range check, only for wider tables.
-        out_of_range = (table > _INT32_MAX) | (table < -_INT32_MAX - 1)
+        out_of_range = (table > INT32_MAX) | (table < -INT32_MAX - 1)
         if out_of_range.any():
             i, j = (int(x) for x in np.argwhere(out_of_range)[0])
             raise ValueError(f"request {i}: block_table[{i}, {j}] = {int(table[i, j])} "
@@ -122,9 +120,9 @@ def _check_no_negative_pages(table, pages_needed) -> None:
 
 def _check_fits_int32(qsl, seq) -> None:
     """Outputs are int32 (what kernels take): refuse values that would wrap."""
-    raise_first(seq > _INT32_MAX,
+    raise_first(seq > INT32_MAX,
                 lambda i: f"request {i}: seq_len {int(seq[i])} does not fit int32")
-    raise_first(qsl > _INT32_MAX, lambda i: (
+    raise_first(qsl > INT32_MAX, lambda i: (
         f"request {max(i - 1, 0)}: query_start_loc[{i}] = {int(qsl[i])} does not fit int32"))
 
 
@@ -152,10 +150,20 @@ def make_virtual_batches(
     ``q_i >= 1``.
     """
     check_chunk_geometry(chunk_size, block_size)
-    qsl, seq, table, query_lens = validate_batch(
+    qsl, seq_lens, block_table, query_lens = validate_batch(
         query_start_loc, seq_lens, block_table, block_size
     )
-    c = int(chunk_size)
+    return split_batch(qsl, seq_lens, block_table, query_lens, int(chunk_size), block_size)
+
+
+def split_batch(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+                query_lens: np.ndarray, chunk_size: int, block_size: int) -> VirtualBatches:
+    """:func:`make_virtual_batches` on a batch :func:`validate_batch` already checked.
+
+    The backends validate once in ``build()`` and call this; only the int32 range
+    of the outputs is checked here.
+    """
+    qsl, seq, table, c = query_start_loc, seq_lens, block_table, chunk_size
     _check_fits_int32(qsl, seq)
     context = seq - query_lens
     first_chunk = context // c

@@ -18,7 +18,7 @@ flashinfer = pytest.importorskip("flashinfer")
 
 from chunklocal.backends.base import EngineLimits  # noqa: E402
 from chunklocal.backends.flashinfer import FlashInferBackend  # noqa: E402
-from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge  # noqa: E402
+from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, Kind, merge  # noqa: E402,E501
 from chunklocal.reference import reference_attention  # noqa: E402
 
 HQ, HKV, D, BS = 40, 8, 128, 16
@@ -283,17 +283,18 @@ def test_merged_group_global_and_chunked_layers():
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     q = queries(int(qsl[-1]), 9)
     md = backend.build(qsl, seq, table)  # one build serves both layer kinds
-    with pytest.raises(ValueError, match="chunked=True or chunked=False"):
+    with pytest.raises(ValueError, match="pass kind=Kind.CHUNKED or kind=Kind.GLOBAL"):
         backend.forward(md, q, k, v, SCALE)
-    for chunked in (True, False):
+    for kind in Kind:
         out = torch.full_like(q, NAN)
-        backend.forward(md, q, k, v, SCALE, chunked=chunked, out=out)
-        check(out, q, k, v, qsl, seq, table, chunk if chunked else None)
+        backend.forward(md, q, k, v, SCALE, kind=kind, out=out)
+        check(out, q, k, v, qsl, seq, table, chunk if kind is Kind.CHUNKED else None)
     # Decode under a graph, both kinds from one graph build.
     dec_seq = rng.integers(1, model_len + 1, n)
     md = backend.build(np.arange(n + 1), dec_seq, table, graph_batch_size=n)
     q_dec = queries(n, 11)
-    for chunked in (True, False):
+    for kind in Kind:
         out = torch.full_like(q_dec, NAN)
-        backend.forward(md, q_dec, k, v, SCALE, chunked=chunked, out=out)
-        check(out, q_dec, k, v, np.arange(n + 1), dec_seq, table, chunk if chunked else None)
+        backend.forward(md, q_dec, k, v, SCALE, kind=kind, out=out)
+        check(out, q_dec, k, v, np.arange(n + 1), dec_seq, table,
+              chunk if kind is Kind.CHUNKED else None)

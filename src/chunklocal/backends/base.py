@@ -1,9 +1,12 @@
-"""The contract between the engine and an attention backend.
+"""The whole contract between the engine and an attention backend.
 
 FlashInfer's split, kept for every backend: ``build()`` runs once per step per
 KV-cache group on the host (virtual batches, paged-KV metadata, planning) and
 returns an opaque metadata object; ``forward()`` runs once per layer with that
 object and makes no host decisions.  Layers of a group share one build.
+
+``build()`` is the trust boundary: it validates the batch once (ValueError naming
+the request and value) and passes the checked arrays down unchecked.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from chunklocal.kv_spec import Kind
+
+__all__ = ["AttentionBackend", "AttentionStep", "EngineLimits", "Kind", "pick_kind"]
 
 
 @dataclass(frozen=True)
@@ -28,10 +35,42 @@ class EngineLimits:
 class AttentionBackend(Protocol):
     """One object per KV-cache group (a spec + its layers' head geometry)."""
 
+    block_size: int
+
     def build(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
-              block_table: np.ndarray) -> Any:
-        """Host work for one step: int32 numpy inputs, [N+1], [N], [N, W]."""
+              block_table: np.ndarray, *, graph_batch_size: int | None = None) -> Any:
+        """Host work for one step: int numpy inputs [N+1], [N], [N, W].
+
+        ``graph_batch_size=B`` refreshes the persistent metadata of the captured
+        (B, query length) CUDA graph instead (backends without graphs raise).
+        """
 
     def forward(self, metadata: Any, q: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [tokens, Hq, D]; caches [num_pages, block_size, Hkv, D] (NHD); -> [tokens, Hq, D]."""
+                v_cache: torch.Tensor, scale: float, *,
+                kind: Kind | None = None) -> torch.Tensor:
+        """q [tokens, Hq, D]; caches [num_pages, block_size, Hkv, D] (NHD); -> [tokens, Hq, D].
+
+        ``kind`` picks the layer kind in a group read by both (required there).
+        """
+
+
+@dataclass
+class AttentionStep:
+    """What every layer of one attention kind needs for one step."""
+
+    backend: AttentionBackend
+    metadata: Any               # built once per step and KV group by backend.build()
+    slot_mapping: torch.Tensor  # [tokens] int64: flat cache row of each token's K/V
+    kind: Kind                  # which layer kind of the group's metadata to use
+
+
+def pick_kind(kinds, kind: Kind | None) -> Kind:
+    """The layer kind a forward call reads: ``kind``, or the group's only one."""
+    if kind is None:
+        if len(kinds) != 1:
+            raise ValueError("this KV group has chunked and global layers: pass "
+                             "kind=Kind.CHUNKED or kind=Kind.GLOBAL")
+        return next(iter(kinds))
+    if kind not in kinds:
+        raise ValueError(f"kind={kind}: this KV group has no {kind.value} layers")
+    return kind

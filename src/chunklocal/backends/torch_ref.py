@@ -1,7 +1,7 @@
 """CPU attention backend: the PyTorch reference over the paged cache.
 
-One instance per KV group, the same protocol as the FlashInfer backend.
-``build()`` does the step's host work once per group and returns one
+One instance per KV group, the protocol of :mod:`chunklocal.backends.base`.
+``build()`` validates the step once and returns one
 :class:`~chunklocal.reference.PagedAttentionPlan` per layer kind: for the
 chunked layers it cuts the batch into virtual batches (each row then starts its
 keys at ``kv_start``), for the global layers it keeps the requests as they are;
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from chunklocal.backends.base import Kind, pick_kind
 from chunklocal.kv_spec import attention_kinds, chunk_size_of
-from chunklocal.reference import PagedAttentionPlan, plan_paged_attention, run_paged_attention
-from chunklocal.virtual_batches import make_virtual_batches
+from chunklocal.reference import PagedAttentionPlan, plan_validated, run_paged_attention
+from chunklocal.virtual_batches import split_batch, validate_batch
 
 
 class TorchRefBackend:
@@ -25,34 +26,35 @@ class TorchRefBackend:
 
     def __init__(self, spec, num_q_heads: int | None = None, device="cpu"):
         self.block_size = spec.block_size
-        self.chunk = chunk_size_of(spec)
-        #: Layer kinds reading this group: True = chunked, False = global.
+        self.chunk_size = chunk_size_of(spec)
+        #: Layer kinds reading this group.
         self.kinds = attention_kinds(spec)
         self.geometry = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                             head_dim=spec.head_size, num_q_heads=num_q_heads,
+                             head_dim=spec.head_dim, num_q_heads=num_q_heads,
                              device=torch.device(device))
 
-    def build(self, query_start_loc, seq_lens, block_table) -> dict[bool, PagedAttentionPlan]:
+    def build(self, query_start_loc, seq_lens, block_table, *,
+              graph_batch_size=None) -> dict[Kind, PagedAttentionPlan]:
+        if graph_batch_size is not None:
+            raise ValueError("TorchRefBackend has no CUDA-graph layouts "
+                             f"(graph_batch_size={graph_batch_size})")
+        qsl, seq_lens, block_table, query_lens = validate_batch(
+            query_start_loc, seq_lens, block_table, self.block_size)
         plans = {}
-        for chunked in self.kinds:
-            if chunked:
-                vb = make_virtual_batches(query_start_loc, seq_lens, block_table, self.chunk,
-                                          self.block_size)
-                plans[True] = plan_paged_attention(vb.query_start_loc, vb.seq_lens,
-                                                   vb.block_table, kv_start=vb.kv_start,
-                                                   **self.geometry)
+        for kind in self.kinds:
+            if kind is Kind.CHUNKED:
+                vb = split_batch(qsl, seq_lens, block_table, query_lens, self.chunk_size,
+                                 self.block_size)
+                plans[kind] = plan_validated(vb.query_start_loc, vb.seq_lens, vb.block_table,
+                                             vb.query_lens, kv_start=vb.kv_start,
+                                             **self.geometry)
             else:
-                plans[False] = plan_paged_attention(query_start_loc, seq_lens, block_table,
-                                                    **self.geometry)
+                plans[kind] = plan_validated(qsl, seq_lens, block_table, query_lens,
+                                             **self.geometry)
         return plans
 
-    def forward(self, metadata: dict[bool, PagedAttentionPlan], q, k_cache, v_cache,
-                scale: float, *, chunked: bool | None = None):
-        if chunked is None:
-            if len(self.kinds) != 1:
-                raise ValueError("a merged group needs chunked=True or chunked=False")
-            chunked = self.kinds[0]
-        if chunked not in metadata:
-            kind = "chunked" if chunked else "global"
-            raise ValueError(f"chunked={chunked}: this KV group has no {kind} layers")
-        return run_paged_attention(metadata[chunked], q, k_cache, v_cache, scale)
+    def forward(self, metadata: dict[Kind, PagedAttentionPlan], q, k_cache, v_cache,
+                scale: float, *, kind: Kind | None = None):
+        if kind not in metadata:  # the engine always passes a kind its group has
+            kind = pick_kind(self.kinds, kind)
+        return run_paged_attention(metadata[kind], q, k_cache, v_cache, scale)

@@ -38,11 +38,17 @@ class KVGroup:
 
     def __post_init__(self):
         self.block_size = self.spec.block_size
-        #: Chunk size pages are freed by, or None when the group keeps all pages.
-        self.free_chunk = None if needs_global_pages(self.spec) else chunk_size_of(self.spec)
+        #: Chunk size the group frees pages by; None when some layer reading the
+        #: group attends whole sequences, so it keeps every page.
+        self.chunk_size = None if needs_global_pages(self.spec) else chunk_size_of(self.spec)
         # Reversed so a fresh pool hands out pages 0, 1, 2, ... in order.
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self.peak_used = 0
+
+    @property
+    def scratch_page(self) -> int:
+        """A page past the pool: padding rows of graph steps write and read only it."""
+        return self.num_blocks
 
     @property
     def num_used(self) -> int:
@@ -50,9 +56,9 @@ class KVGroup:
 
     def stale_pages(self, seq: Sequence, g: int) -> int:
         """Pages of ``seq`` no future query of this group can read (freed next allocation)."""
-        if self.free_chunk is None:
+        if self.chunk_size is None:
             return 0
-        chunk_start_page = (seq.num_computed // self.free_chunk) * self.free_chunk
+        chunk_start_page = (seq.num_computed // self.chunk_size) * self.chunk_size
         chunk_start_page //= self.block_size
         return max(0, min(chunk_start_page, len(seq.block_tables[g])) - seq.first_owned_page[g])
 

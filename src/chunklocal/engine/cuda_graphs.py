@@ -1,10 +1,11 @@
-"""CUDA graphs for decode and speculative-verify steps.
+"""CUDA graphs for decode and speculative-verify steps: capture and replay only.
 
 One graph per (batch size B, query length q): q = 1 for decode, q = k + 1 for
 verify windows.  Each captures the whole model forward over B * q static token
-rows; the attention metadata lives in the backend's persistent buffers
-(``backend.build(..., graph_batch_size=B)`` refreshes them on the host before
-each replay, see backends/flashinfer.py), so the graph itself does no host work.
+rows.  The attention metadata lives in the backends' persistent buffers; the
+model runner refreshes them (``backend.build(..., graph_batch_size=B)``) before
+each replay, so this module never builds metadata: capture takes its steps from
+the runner's ``make_steps`` and replay only copies the static inputs.
 
 Padding rows (batch padded up to B) carry token 0 at position 0, write their K/V
 to the group's reserved scratch page and read only that page: no real KV is
@@ -18,20 +19,19 @@ from collections import Counter
 import numpy as np
 import torch
 
-from chunklocal.models.llama4 import CHUNKED, AttentionStep
-
 
 class CudaGraphs:
-    def __init__(self, model, backends, kind_to_group, scratch_pages, block_size: int,
-                 batch_sizes, query_lens, device):
-        self.model, self.backends, self.kind_to_group = model, backends, kind_to_group
-        self.block_size, self.device = block_size, device
+    """``make_steps(batch_size, query_len, slot_mappings)`` returns the steps a
+    (B, q) graph captures; ``scratch_slots[g]`` is group g's padding cache row."""
+
+    def __init__(self, model, make_steps, scratch_slots, batch_sizes, query_lens, device):
+        self.model, self.make_steps, self.device = model, make_steps, device
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.query_lens = tuple(query_lens)
         rows = max(self.batch_sizes) * max(self.query_lens)
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.scratch_slots = [int(p) * block_size for p in scratch_pages]
+        self.scratch_slots = [int(s) for s in scratch_slots]
         self.slots = [torch.full((rows,), s, dtype=torch.long, device=device)
                       for s in self.scratch_slots]
         self.graphs, self.outputs = {}, {}
@@ -42,20 +42,10 @@ class CudaGraphs:
             for b in reversed(self.batch_sizes):  # largest first: the pool fits the rest
                 self._capture(b, q, pool)
 
-    def _steps(self, metadata, rows):
-        return {kind: AttentionStep(self.backends[g], metadata[g], self.slots[g][:rows],
-                                    chunked=kind == CHUNKED)
-                for kind, g in self.kind_to_group.items()}
-
     @torch.inference_mode()
     def _capture(self, batch_size: int, query_len: int, pool) -> None:
         rows = batch_size * query_len
-        # One dummy request reading only the scratch page selects the (B, q) layout.
-        metadata = [backend.build(np.array([0, query_len]), np.array([query_len]),
-                                  np.array([[scratch // self.block_size]]),
-                                  graph_batch_size=batch_size)
-                    for backend, scratch in zip(self.backends, self.scratch_slots, strict=True)]
-        steps = self._steps(metadata, rows)
+        steps = self.make_steps(batch_size, query_len, [s[:rows] for s in self.slots])
 
         def forward():
             return self.model(self.input_ids[:rows], self.positions[:rows], steps)
@@ -87,20 +77,20 @@ class CudaGraphs:
         b = self.batch_sizes[int(np.searchsorted(self.batch_sizes, n))]
         return b, q
 
-    def run(self, layout, inputs, tables, slots) -> torch.Tensor:
-        """Replay for ``inputs`` (StepInputs); ``tables``/``slots`` per KV group."""
+    def replay(self, layout, input_ids: np.ndarray, positions: np.ndarray,
+               slot_mappings) -> torch.Tensor:
+        """Copy one step's inputs into the static buffers (padding the rest) and replay."""
         batch_size, query_len = layout
-        rows = inputs.input_ids.shape[0]
+        rows = input_ids.shape[0]
         padded = batch_size * query_len
-        self.input_ids[:rows].copy_(torch.from_numpy(inputs.input_ids), non_blocking=True)
-        self.positions[:rows].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
+        self.input_ids[:rows].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        self.positions[:rows].copy_(torch.from_numpy(positions), non_blocking=True)
         self.input_ids[rows:padded].zero_()
         self.positions[rows:padded].zero_()
-        for g, backend in enumerate(self.backends):
-            self.slots[g][:rows].copy_(slots[g], non_blocking=True)
-            self.slots[g][rows:padded].fill_(self.scratch_slots[g])
-            backend.build(inputs.query_start_loc, inputs.seq_lens, tables[g],
-                          graph_batch_size=batch_size)
+        for static, slots, scratch in zip(self.slots, slot_mappings, self.scratch_slots,
+                                          strict=True):
+            static[:rows].copy_(slots, non_blocking=True)
+            static[rows:padded].fill_(scratch)
         self.graphs[batch_size, query_len].replay()
         self.replays[batch_size, query_len] += 1
         self.padding_rows += padded - rows

@@ -11,23 +11,17 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from chunklocal import bounds
 from chunklocal._validate import as_int, cdiv, check_chunk_geometry
-from chunklocal.backends.base import EngineLimits
+from chunklocal.backends.base import EngineLimits, Kind
+from chunklocal.bounds.closed_forms import max_virtual_batches
 from chunklocal.engine.block_manager import BlockManager, KVGroup
 from chunklocal.engine.requests import check_prompts, check_temperature, load_tokenizer, torch_dtype
 from chunklocal.engine.runner_setup import RunnerSetup, build_runner
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.sequence import SamplingParams, Sequence
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
-from chunklocal.models.llama4 import (
-    CHUNKED,
-    GLOBAL,
-    checkpoint_dtype,
-    layer_kind,
-    load_llama4,
-    load_text_config,
-)
+from chunklocal.models.llama4 import checkpoint_dtype, load_llama4, load_text_config
+from chunklocal.models.llama4_config import layer_kind
 from chunklocal.models.sharding import check_tensor_parallel, kv_head_split
 
 _CPU_KV_BYTES = 2 << 30  # default KV budget on the CPU when num_kv_blocks is None
@@ -142,7 +136,7 @@ class LLM:
                                                   free_bytes)
         self.groups = groups
         self.max_virtual_batches = (
-            bounds.max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
+            max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
                                        self.max_model_len) if chunk else self.max_num_seqs)
         self.block_manager = BlockManager(groups, self.max_num_seqs,
                                           cdiv(self.max_model_len, self.block_size))
@@ -200,7 +194,7 @@ class LLM:
         c = self.config
         kv_heads = kv_head_split(c.num_key_value_heads, self.tensor_parallel_size)[0]
         geometry = (self.block_size, kv_heads, c.head_dim, kv_dtype)
-        if kind == CHUNKED:
+        if kind is Kind.CHUNKED:
             return ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=c.attention_chunk_size)
         return FullAttentionSpec(*geometry)
 
@@ -225,19 +219,19 @@ class LLM:
         local_need = min(cdiv(chunk - 1 + self.max_num_batched_tokens, self.block_size),
                          whole_seq) if chunk else whole_seq
         if hybrid or len(specs) == 1:
-            names = sorted(specs)
+            names = [kind for kind in Kind if kind in specs]
             groups = []
             for kind in names:
                 need = local_need if specs[kind].attention_chunk_size else whole_seq
                 size = num_kv_blocks
                 if specs[kind].attention_chunk_size:
                     size = min(num_kv_blocks, self.max_num_seqs * need)
-                groups.append((kind, specs[kind], size, need))
+                groups.append((kind.value, specs[kind], size, need))
             kind_to_group = {kind: i for i, kind in enumerate(names)}
         else:
-            merged = merge([specs[CHUNKED], specs[GLOBAL]])
+            merged = merge([specs[Kind.CHUNKED], specs[Kind.GLOBAL]])
             groups = [("merged", merged, num_kv_blocks, whole_seq)]
-            kind_to_group = {CHUNKED: 0, GLOBAL: 0}
+            kind_to_group = {Kind.CHUNKED: 0, Kind.GLOBAL: 0}
         for name, _, size, need in groups:
             if size < need:
                 raise ValueError(

@@ -4,13 +4,15 @@ Per step the runner builds flat ``input_ids`` / ``positions``, and for every KV
 group one block table, one slot mapping and exactly one ``backend.build()``,
 whose metadata all the group's layers share.  Hybrid mode: chunked layers read
 the chunked group, global layers the global group.  Merged mode: both kinds read
-the single group (the one build prepares both).  Decode and verify steps replay
-a CUDA graph when one is captured for their shape (engine/cuda_graphs.py).
+the single group (the one build prepares both).  This is the only place a batch
+becomes attention metadata: decode and verify steps that replay a CUDA graph
+(engine/cuda_graphs.py) get theirs from the same ``build_steps``.
 
 A step has a host half and a device half: :meth:`ModelRunner.host_step` turns the
 scheduled batch into a :class:`DeviceStep` of numpy arrays, :meth:`ModelRunner.execute`
-runs it on the model.  With tensor parallelism the host half runs once, in the
-caller's process, and every rank executes the same DeviceStep (engine/workers.py).
+runs it (metadata, forward, sampling).  With tensor parallelism the host half runs
+once, in the caller's process, and every rank executes the same DeviceStep
+(engine/workers.py), building its own metadata.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import numpy as np
 import torch
 
 from chunklocal._validate import cdiv
+from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.engine.block_manager import BlockManager
 from chunklocal.engine.scheduler import ScheduledBatch
-from chunklocal.models.llama4 import CHUNKED, AttentionStep
 from chunklocal.virtual_batches import virtual_batches_per_request
 
 
@@ -52,7 +54,7 @@ class DeviceStep:
 
 
 class ModelRunner:
-    def __init__(self, model, block_manager: BlockManager, kind_to_group: dict[str, int],
+    def __init__(self, model, block_manager: BlockManager, kind_to_group: dict[Kind, int],
                  backends: list, device, kv_dtype, seed: int = 0, chunk_size=None):
         self.model = model
         self.block_manager = block_manager
@@ -76,16 +78,19 @@ class ModelRunner:
         if model is not None:  # None: the host half of a tensor-parallel engine
             self._bind_caches(kv_dtype)
 
-    def scratch_page(self, g: int) -> int:
-        """A page past the group's pool: padding rows of graph steps write and read it."""
-        return self.groups[g].num_blocks
-
     def enable_cuda_graphs(self, batch_sizes, query_lens) -> None:
         from chunklocal.engine.cuda_graphs import CudaGraphs
 
-        self.graphs = CudaGraphs(self.model, self.backends, self.kind_to_group,
-                                 [self.scratch_page(g) for g in range(len(self.groups))],
-                                 self.block_size, batch_sizes, query_lens, self.device)
+        self.graphs = CudaGraphs(self.model, self.graph_steps_for,
+                                 [grp.scratch_page * self.block_size for grp in self.groups],
+                                 batch_sizes, query_lens, self.device)
+
+    def graph_steps_for(self, batch_size: int, query_len: int, slot_mappings):
+        """Steps a (B, q) graph captures: one dummy request reading only the scratch
+        page selects the layout; replays refresh the same persistent metadata."""
+        tables = [np.array([[grp.scratch_page]], dtype=np.int32) for grp in self.groups]
+        return self.build_steps(np.array([0, query_len]), np.array([query_len]), tables,
+                                slot_mappings, graph_batch_size=batch_size)
 
     def _bind_caches(self, kv_dtype):
         for layer in self.model.layers:
@@ -143,11 +148,13 @@ class ModelRunner:
             slots.append(slot)
         return tables, slots
 
-    def build_steps(self, inputs: StepInputs, tables, slots) -> dict[str, AttentionStep]:
-        metadata = [backend.build(inputs.query_start_loc, inputs.seq_lens, table)
+    def build_steps(self, query_start_loc, seq_lens, tables, slot_mappings, *,
+                    graph_batch_size: int | None = None) -> dict[Kind, AttentionStep]:
+        """One ``backend.build()`` per KV group; every layer kind gets its group's metadata."""
+        metadata = [backend.build(query_start_loc, seq_lens, table,
+                                  graph_batch_size=graph_batch_size)
                     for backend, table in zip(self.backends, tables, strict=True)]
-        return {kind: AttentionStep(self.backends[g], metadata[g], slots[g],
-                                    chunked=kind == CHUNKED)
+        return {kind: AttentionStep(self.backends[g], metadata[g], slot_mappings[g], kind)
                 for kind, g in self.kind_to_group.items()}
 
     def run(self, batch: ScheduledBatch, temperatures: np.ndarray) -> list[np.ndarray]:
@@ -182,11 +189,12 @@ class ModelRunner:
         layout = None
         if self.graphs is not None:
             layout = self.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
+        steps = self.build_steps(inputs.query_start_loc, inputs.seq_lens, step.tables, slots,
+                                 graph_batch_size=layout[0] if layout else None)
         if layout is not None:
-            hidden = self.graphs.run(layout, inputs, step.tables, slots)
+            hidden = self.graphs.replay(layout, inputs.input_ids, inputs.positions, slots)
             self.graph_steps += 1
         else:
-            steps = self.build_steps(inputs, step.tables, slots)
             hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
                                 torch.from_numpy(inputs.positions).to(self.device), steps)
         logits = None

@@ -44,7 +44,7 @@ def make_backend(setup: RunnerSetup, group: KVGroup, device):
     return FlashInferBackend(
         spec, setup.limits, setup.num_q_heads, spec.num_kv_heads, spec.head_size,
         setup.kv_dtype, device, setup.cuda_graphs, verify_len=k + 1 if k else None,
-        scratch_page=group.num_blocks, sm_scale=spec.head_size ** -0.5)
+        scratch_page=group.scratch_page, sm_scale=spec.head_size ** -0.5)
 
 
 def build_runner(setup: RunnerSetup, model, device, block_manager=None) -> ModelRunner:

@@ -2,8 +2,8 @@
 
 Layers see ``[tokens, hidden]`` with one absolute position per token; requests
 are told apart only by the attention metadata.  RoPE layers attend chunk-locally
-(the ``chunked`` attention kind), NoPE layers globally (``global``); each kind
-gets one backend metadata object per step (see :class:`AttentionStep`).
+(``Kind.CHUNKED``), NoPE layers globally (``Kind.GLOBAL``); each kind gets one
+backend metadata object per step (:class:`chunklocal.backends.base.AttentionStep`).
 
 Numerics follow transformers' ``Llama4ForCausalLM``: RoPE as a complex product
 over interleaved pairs ``(x[2i], x[2i+1])`` in float32, L2 qk-norm after RoPE on
@@ -14,21 +14,17 @@ dense MLP width ``intermediate_size_mlp`` on non-MoE layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chunklocal.models.llama4_config import (  # noqa: F401  (re-exported)
-    CHUNKED,
-    GLOBAL,
+from chunklocal.backends.base import AttentionStep, Kind
+from chunklocal.models.llama4_config import (
     activation,
     layer_kind,
     load_text_config,
-    require_hf,
     supported_rope_type,
 )
 from chunklocal.models.parallel import (
@@ -40,16 +36,6 @@ from chunklocal.models.parallel import (
     vocab_embedding,
 )
 from chunklocal.models.sharding import kv_head_split, shard_rules
-
-
-@dataclass
-class AttentionStep:
-    """What every layer of one attention kind needs for one step."""
-
-    backend: Any            # forward(metadata, q, k_cache, v_cache, scale, chunked=...)
-    metadata: Any           # built once per step and KV group by backend.build()
-    slot_mapping: torch.Tensor  # [tokens] int64: flat cache row of each token's K/V
-    chunked: bool           # which layer kind of the group's metadata to use
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -216,7 +202,7 @@ class Attention(nn.Module):
         flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
         out = step.backend.forward(step.metadata, q, self.k_cache, self.v_cache, self.scale,
-                                   chunked=step.chunked)
+                                   kind=step.kind)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, -1).to(x.dtype)))
 
 
@@ -283,7 +269,7 @@ class Llama4ForCausalLM(nn.Module):
             inv_freq, self._rope_scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, device)
             self._inv_freq = inv_freq.float().to(device)
 
-    def forward(self, input_ids, positions, steps: dict[str, AttentionStep]):
+    def forward(self, input_ids, positions, steps: dict[Kind, AttentionStep]):
         """input_ids, positions: [tokens]; returns final-normed hidden states [tokens, H]."""
         angles = positions.float()[:, None] * self._inv_freq[None, :]
         freqs_cis = torch.polar(torch.ones_like(angles), angles) * self._rope_scaling

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-CHUNKED, GLOBAL = "chunked", "global"
+from chunklocal.backends.base import Kind
 
 
 def require_hf() -> None:
@@ -74,20 +74,20 @@ def check_supported(config) -> None:
         layer_kind(config, layer_idx)
 
 
-def layer_kind(config, layer_idx: int) -> str:
-    """CHUNKED or GLOBAL, from ``layer_types`` when the config has it (transformers masks
+def layer_kind(config, layer_idx: int) -> Kind:
+    """Kind.CHUNKED or Kind.GLOBAL, from ``layer_types`` when the config has it (transformers masks
     by it), else as transformers derives it: RoPE layers are chunked when there is a chunk."""
     types = getattr(config, "layer_types", None)
     use_rope = bool(config.no_rope_layers[layer_idx])
     if types is None:
-        return CHUNKED if (use_rope and config.attention_chunk_size) else GLOBAL
+        return Kind.CHUNKED if (use_rope and config.attention_chunk_size) else Kind.GLOBAL
     if len(types) != config.num_hidden_layers:
         raise ValueError(f"layer_types has {len(types)} entries for "
                          f"{config.num_hidden_layers} layers")
     kind = types[layer_idx]
     if kind == "chunked_attention" and config.attention_chunk_size:
-        return CHUNKED
+        return Kind.CHUNKED
     if kind == "full_attention":
-        return GLOBAL
+        return Kind.GLOBAL
     raise ValueError(f"layer {layer_idx}: unsupported layer type {kind!r} (expected "
                      "'full_attention', or 'chunked_attention' with attention_chunk_size set)")

@@ -19,37 +19,25 @@ makes one non-blocking copy per buffer.  The device path
 fixed shape straight into the device buffers: no host sync, so it can be captured
 in a CUDA graph.
 
-This module holds the buffers, their sizing (:class:`Capacity`, :class:`CapacityError`)
-and the device path.  The host write paths live in :mod:`chunklocal.metadata_host`
-and the padded CUDA-graph slot layouts in :mod:`chunklocal.graph_layout`; their
-public names are re-exported here.
+This module holds the buffers, the device path and the padded CUDA-graph steps
+(:meth:`MetadataBuffers.write_graph_step`, ``write_graph_step_device``).  Their sizes
+come from :mod:`chunklocal.bounds.sizing`, the host write paths from
+:mod:`.host_writes`, the slot layouts from :mod:`.graph_layout`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from chunklocal import bounds
-from chunklocal.graph_layout import (
-    graph_slots,
-    slot_page_limits,
-    verify_use_first,
-    write_graph_step,
-    write_graph_step_device,
-)
-from chunklocal.kv_spec import attention_kinds, chunk_size_of
-from chunklocal.metadata_host import HostStep, HostWrites, _DecodeCache
+from chunklocal.backends.flashinfer.graph_layout import graph_slots, verify_use_first
+from chunklocal.backends.flashinfer.host_writes import HostStep, HostWrites
+from chunklocal.bounds.sizing import Capacity, slot_page_limits
+from chunklocal.virtual_batches import split_batch
 
-__all__ = [
-    "BUFFER_NAMES", "Capacity", "CapacityError", "HostStep", "MetadataBuffers",
-    "attention_kinds", "graph_capacity", "graph_slots", "group_capacities",
-    "slot_page_limits", "step_capacity", "verify_use_first", "write_graph_step",
-    "write_graph_step_device", "write_step",
-]
+__all__ = ["BUFFER_NAMES", "CapacityError", "HostStep", "MetadataBuffers", "write_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,47 +55,6 @@ class CapacityError(ValueError):
         )
 
 
-@dataclass(frozen=True)
-class Capacity:
-    """Slots (indptr has ``batches + 1`` entries) and page indices a buffer set holds."""
-
-    batches: int
-    pages: int
-
-    def union(self, other: Capacity) -> Capacity:
-        return Capacity(max(self.batches, other.batches), max(self.pages, other.pages))
-
-
-def step_capacity(spec, limits, *, chunked: bool) -> Capacity:
-    """Most slots and pages one eager step can need, for the chunked or global layers.
-
-    ``chunked=True`` sizes the virtual batches of the spec's chunk size
-    (:func:`chunklocal.bounds.max_virtual_batches`, ``max_local_pages``);
-    ``chunked=False`` sizes whole requests (global layers: a plain full spec, or the
-    global layers of a merged group, which keep room for whole sequences).
-    """
-    n_max, tokens = limits.max_num_seqs, limits.max_num_batched_tokens
-    model_len, block_size = limits.max_model_len, spec.block_size
-    if not chunked:
-        return Capacity(min(n_max, tokens),
-                        bounds.max_global_pages(n_max, tokens, model_len, block_size))
-    chunk = chunk_size_of(spec)
-    if chunk is None:
-        raise ValueError(f"chunked=True needs a spec with a chunk size, got {spec!r}")
-    return Capacity(
-        int(bounds.max_virtual_batches(n_max, tokens, chunk, model_len)),
-        int(bounds.max_local_pages(n_max, tokens, chunk, model_len, block_size)),
-    )
-
-
-def graph_capacity(batch_sizes, chunk: int | None, query_len: int, model_len: int,
-                   block_size: int) -> Capacity:
-    """Slots and pages of the padded layouts of every captured batch size."""
-    per_slot = slot_page_limits(chunk, query_len, model_len, block_size)
-    biggest = max(batch_sizes, default=0)
-    return Capacity(biggest * len(per_slot), biggest * sum(per_slot))
-
-
 class MetadataBuffers(HostWrites):
     """Persistent int32 metadata buffers for one attention kind of one KV group."""
 
@@ -119,41 +66,21 @@ class MetadataBuffers(HostWrites):
         self.block_size = int(block_size)
         self.device = torch.device(device)
         self.cuda_graphs = bool(cuda_graphs)
-        self._pin = self.device.type == "cuda"
         self._warned = False
-        self.capacity = capacity
-        self.gpu: dict[str, torch.Tensor] = {}
         self.verify_use_first = torch.zeros(verify_rows, dtype=torch.bool, device=self.device)
         self._allocate(capacity)
-        # Two mirror sets: a step's non-blocking copies may still be queued when
-        # the next step is written, so writes alternate and wait on the older copy.
-        self._next_set = 0
-        self._copy_done: list[torch.cuda.Event | None] = [None, None]
-
-    def _sizes(self, capacity: Capacity) -> dict[str, int]:
-        return {"qo_indptr": capacity.batches + 1, "paged_kv_indptr": capacity.batches + 1,
-                "paged_kv_last_page_len": capacity.batches,
-                "paged_kv_indices": max(capacity.pages, 1)}
 
     def _allocate(self, capacity: Capacity) -> None:
-        sizes = self._sizes(capacity)
-        self.gpu = {n: torch.zeros(sizes[n], dtype=torch.int32, device=self.device)
+        lengths = capacity.buffer_lengths()
+        self.gpu = {n: torch.zeros(lengths[n], dtype=torch.int32, device=self.device)
                     for n in BUFFER_NAMES}
-        self.host = [{n: torch.zeros(sizes[n], dtype=torch.int32, pin_memory=self._pin)
-                      for n in BUFFER_NAMES} for _ in range(2)]
-        # numpy views of the mirrors, made once: t.numpy() costs ~1 us per call.
-        self._host_np = [{n: t.numpy() for n, t in mirrors.items()} for mirrors in self.host]
-        self._room = (sizes["paged_kv_indptr"] - 1, sizes["paged_kv_indices"])
+        self._allocate_mirrors(lengths, pin=self.device.type == "cuda")
         self.capacity = capacity
-        self._decode_cache = _DecodeCache()
-        self._view_cache: dict = {}
-        # Per mirror set: qo_indptr[:k] is known to hold 0..k-1 (a decode wrote it).
-        self._qo_counting = [0, 0]
 
     def ensure_capacity(self, num_batches: int, num_pages: int = 0) -> None:
         """Make room for a step, or raise CapacityError if buffers are frozen (graphs on)."""
         need = {"paged_kv_indptr": num_batches + 1, "paged_kv_indices": num_pages}
-        have = self._sizes(self.capacity)
+        have = self.capacity.buffer_lengths()
         short = [n for n in need if need[n] > have[n]]
         if not short:
             return
@@ -182,6 +109,32 @@ class MetadataBuffers(HostWrites):
             src = getattr(step, name)
             self.gpu[name][: src.shape[0]].copy_(src, non_blocking=True)
         self.mark_consumed(step)
+
+    # ----------------------------------------------------------- graph steps
+    def write_graph_step(self, seq_lens, block_table, query_len: int, chunk_size: int | None,
+                         two_slots: bool, scratch_page: int):
+        """Padded graph step on the host: fills mirrors; returns (HostStep, use_first or None)."""
+        kv, first, rows = graph_slots(seq_lens, query_len, chunk_size, self.block_size,
+                                      two_slots)
+        step = self.write_host(np.full(kv.shape[0], query_len), kv, first, rows, block_table,
+                               scratch_page)
+        mask = None
+        if two_slots:
+            mask = verify_use_first(seq_lens, query_len, chunk_size).reshape(-1)
+        return step, mask
+
+    def write_graph_step_device(self, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                                query_len: int, chunk_size: int | None, two_slots: bool,
+                                scratch_page: int, model_len: int) -> None:
+        """Padded graph step on the device (capturable); also fills verify_use_first."""
+        limits = slot_page_limits(chunk_size, query_len, model_len, self.block_size)
+        kv, first, rows = graph_slots(seq_lens, query_len, chunk_size, self.block_size,
+                                      two_slots)
+        self.write_device(kv, first, rows, block_table, seq_lens.shape[0] * sum(limits),
+                          scratch_page)
+        if two_slots:
+            mask = verify_use_first(seq_lens, query_len, chunk_size).reshape(-1)
+            self.verify_use_first[: mask.shape[0]].copy_(mask)
 
     # ---------------------------------------------------------------- device
     def write_device(self, kv_lens: torch.Tensor, first_page: torch.Tensor,
@@ -221,42 +174,28 @@ class MetadataBuffers(HostWrites):
 
 
 # ------------------------------------------------------------- whole steps
-def group_capacities(spec, limits, graph_batch_sizes=(), query_lens=(1,)) -> dict:
-    """Capacity per layer kind: the step bound, widened for padded graph layouts."""
-    out = {}
-    for chunked in attention_kinds(spec):
-        capacity = step_capacity(spec, limits, chunked=chunked)
-        chunk = chunk_size_of(spec) if chunked else None
-        for query_len in query_lens:
-            capacity = capacity.union(graph_capacity(graph_batch_sizes, chunk, query_len,
-                                                     limits.max_model_len, spec.block_size))
-        out[chunked] = capacity
-    return out
-
-
-def write_step(buffers: MetadataBuffers, qsl, seq, table, query_lens,
-               chunk: int | None) -> HostStep:
+def write_step(buffers: MetadataBuffers, query_start_loc, seq_lens, block_table, query_lens,
+               chunk_size: int | None) -> HostStep:
     """Eager step: virtual batches (chunked) or requests with queries (global) -> mirrors.
 
     The batch must already have passed :func:`chunklocal.virtual_batches.validate_batch`
-    (the backends call it first); the pure-decode fast path does not re-check it.
+    (the backend's ``build()`` calls it once); nothing here re-checks it.
     """
-    from chunklocal.virtual_batches import make_virtual_batches
-
     query_lens = np.asarray(query_lens)
-    if chunk and query_lens.size and (query_lens == 1).all():
+    if chunk_size and query_lens.size and (query_lens == 1).all():
         # Pure decode: one virtual batch per request, read straight from the
         # request's own table (no [M, c / bs] local table to gather).
-        return buffers.write_decode_chunked(seq, table, chunk)
-    if chunk:
-        vb = make_virtual_batches(qsl, seq, table, chunk, buffers.block_size)
+        return buffers.write_decode_chunked(seq_lens, block_table, chunk_size)
+    if chunk_size:
+        vb = split_batch(query_start_loc, seq_lens, block_table, query_lens, chunk_size,
+                         buffers.block_size)
         buffers.ensure_capacity(vb.num_batches)
         return buffers.write_host(vb.query_lens, vb.seq_lens, np.zeros(vb.num_batches, np.int64),
                                   np.arange(vb.num_batches), vb.block_table)
     rows = np.flatnonzero(query_lens > 0)
-    if (rows.size and rows.size == np.shape(table)[0] == query_lens.size
-            and np.shape(seq) == query_lens.shape):
-        return buffers.write_whole_requests(query_lens, seq, table)
+    if (rows.size and rows.size == np.shape(block_table)[0] == query_lens.size
+            and np.shape(seq_lens) == query_lens.shape):
+        return buffers.write_whole_requests(query_lens, seq_lens, block_table)
     buffers.ensure_capacity(rows.size)
-    return buffers.write_host(query_lens[rows], np.asarray(seq)[rows],
-                              np.zeros(rows.size, np.int64), rows, table)
+    return buffers.write_host(query_lens[rows], np.asarray(seq_lens)[rows],
+                              np.zeros(rows.size, np.int64), rows, block_table)

@@ -1,4 +1,4 @@
-"""Exact sizes for the per-step metadata buffers (proof: docs/bounds.md).
+"""Exact maxima for the per-step metadata buffers (proof: docs/bounds.md).
 
 Buffers are allocated once, before any batch is seen, and CUDA graphs pin their
 addresses, so these maxima are the whole safety argument.  Each closed form
@@ -23,21 +23,12 @@ token, then each further unit for ``step`` more tokens, up to ``cap`` units".
 With n = min(N, T) requests, the optimum buys the first units before any
 further unit (:func:`_stepped`); adding a request never lowers the total.
 
-Builders size everything with one call::
-
-    sizes = buffer_sizes(spec_or_chunk, limits, num_draft_tokens=None)
-    sizes.indptr_len         # qo_indptr / paged_kv_indptr entries (num_batches + 1)
-    sizes.last_page_len_len  # paged_kv_last_page_len entries (num_batches)
-    sizes.num_pages          # paged_kv_indices entries (local and global layers)
-
-``spec_or_chunk`` is a KV spec (its chunk size and block size are used; a merged
-group with global layers also gets the global page need) or a chunk size / None
-with ``limits.block_size``.  ``chunk_size=None`` everywhere means no chunking.
+``chunk_size=None`` everywhere means no chunking.  The sizes a backend allocates
+are built from these maxima in :mod:`chunklocal.bounds.sizing`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from numbers import Integral
 
 import numpy as np
@@ -281,71 +272,3 @@ def max_uniform_verify_batches(max_num_seqs: int, num_draft_tokens: int,
                                             max_model_len, max_num_batched_tokens)
     ell = _best_length(q, chunk, model_len)
     return n * _pieces_of_length(q, chunk, model_len, ell)[0]
-
-
-@dataclass(frozen=True)
-class BufferSizes:
-    """Per-step metadata buffer sizes for one KV group (all exact maxima)."""
-
-    num_batches: int  # attention problems per step: virtual batches, or requests
-    indptr_len: int  # qo_indptr and paged_kv_indptr entries
-    last_page_len_len: int  # paged_kv_last_page_len entries
-    num_pages: int  # paged_kv_indices entries (max over the group's layer kinds)
-    local_pages: int  # pages over virtual batches of chunked layers (0 without chunking)
-    global_pages: int  # pages of layers attending the whole sequence (0 if none)
-    query_tokens: int  # query rows per step (T)
-    verify_batches: int | None = None  # virtual batches of a verify step (k draft tokens)
-    uniform_verify_batches: int | None = None  # most virtual batches of one q_local
-
-
-def buffer_sizes(spec_or_chunk, limits, num_draft_tokens: int | None = None) -> BufferSizes:
-    """Size every metadata buffer of a KV group from the engine limits (see module doc)."""
-    from chunklocal.kv_spec import chunk_size_of, needs_global_pages
-
-    if spec_or_chunk is None or isinstance(spec_or_chunk, Integral):
-        chunk, block_size = spec_or_chunk, limits.block_size
-        has_global = chunk is None
-    elif not hasattr(spec_or_chunk, "block_size"):
-        raise ValueError("spec_or_chunk must be a KV spec (with a block_size), an integer "
-                         f"chunk size or None, got {spec_or_chunk!r}")
-    else:
-        chunk, block_size = chunk_size_of(spec_or_chunk), spec_or_chunk.block_size
-        has_global = needs_global_pages(spec_or_chunk)
-    args = (limits.max_num_seqs, limits.max_num_batched_tokens)
-    batches = max_virtual_batches(*args, chunk, limits.max_model_len)
-    local = 0 if chunk is None else max_local_pages(*args, chunk, limits.max_model_len,
-                                                    block_size)
-    glob = max_global_pages(*args, limits.max_model_len, block_size) if has_global else 0
-    verify = uniform = None
-    if num_draft_tokens is not None:
-        verify_args = (limits.max_num_seqs, num_draft_tokens, chunk, limits.max_model_len,
-                       limits.max_num_batched_tokens)
-        verify = max_verify_batches(*verify_args)
-        uniform = max_uniform_verify_batches(*verify_args)
-    return BufferSizes(
-        num_batches=batches, indptr_len=batches + 1, last_page_len_len=batches,
-        num_pages=max(local, glob), local_pages=local, global_pages=glob,
-        query_tokens=int(limits.max_num_batched_tokens), verify_batches=verify,
-        uniform_verify_batches=uniform,
-    )
-
-
-# The witnesses live in bounds_witness.py, which imports this module's helpers;
-# importing them here lazily (PEP 562) keeps ``bounds.witness_*`` without a cycle.
-_WITNESSES = frozenset({
-    "best_seq_len", "witness_virtual_batches", "witness_local_pages", "witness_global_pages",
-    "witness_verify_batches", "witness_verify_batches_of_length",
-    "witness_uniform_verify_batches",
-})
-
-
-def __getattr__(name: str):
-    if name in _WITNESSES:
-        from chunklocal import bounds_witness
-
-        return getattr(bounds_witness, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | _WITNESSES)

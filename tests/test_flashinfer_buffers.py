@@ -1,4 +1,4 @@
-"""Persistent metadata buffers: sizing, capacity backstop, values vs an independent oracle."""
+"""FlashInfer's persistent metadata buffers: sizing, capacity backstop, values vs an oracle."""
 
 from __future__ import annotations
 
@@ -12,16 +12,14 @@ from hypothesis import strategies as st
 
 from chunklocal import bounds
 from chunklocal.backends.base import EngineLimits
-from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
-from chunklocal.metadata import (
-    Capacity,
-    CapacityError,
-    MetadataBuffers,
+from chunklocal.backends.flashinfer.buffers import CapacityError, MetadataBuffers, write_step
+from chunklocal.bounds.sizing import Capacity, group_capacities
+from chunklocal.kv_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    Kind,
     attention_kinds,
-    group_capacities,
-    write_graph_step,
-    write_graph_step_device,
-    write_step,
+    merge,
 )
 
 BS = 16
@@ -76,34 +74,34 @@ def random_batch(draw, n_max=5, chunk=64, bs=BS, q_max=150, s_max=400):
 # ----------------------------------------------------------------- sizing
 def test_sizing_chunked_spec_uses_virtual_batch_bounds():
     caps = group_capacities(chunked_spec(), REPORTER)
-    assert attention_kinds(chunked_spec()) == (True,)
-    assert caps[True] == Capacity(
+    assert attention_kinds(chunked_spec()) == (Kind.CHUNKED,)
+    assert caps[Kind.CHUNKED] == Capacity(
         bounds.max_virtual_batches(1, 36000, 8192, 36000),
         bounds.max_local_pages(1, 36000, 8192, 36000, BS))
-    assert caps[True].batches >= 5 and caps[True].pages >= 2250
+    assert caps[Kind.CHUNKED].batches >= 5 and caps[Kind.CHUNKED].pages >= 2250
 
 
 def test_sizing_full_spec_and_full_spec_carrying_a_chunk():
-    assert attention_kinds(full_spec()) == (False,)
-    assert group_capacities(full_spec(), REPORTER)[False] == Capacity(1, 2250)
+    assert attention_kinds(full_spec()) == (Kind.GLOBAL,)
+    assert group_capacities(full_spec(), REPORTER)[Kind.GLOBAL] == Capacity(1, 2250)
     # A full spec that carries a chunk (merged mode) counts as chunked AND keeps
     # whole-sequence room for its global layers.
     carried = full_spec(chunk=8192)
-    assert attention_kinds(carried) == (True, False)
+    assert attention_kinds(carried) == (Kind.CHUNKED, Kind.GLOBAL)
     caps = group_capacities(carried, REPORTER)
-    assert caps[True].batches >= 5
-    assert caps[False].pages == 2250
+    assert caps[Kind.CHUNKED].batches >= 5
+    assert caps[Kind.GLOBAL].pages == 2250
 
 
 def test_sizing_merged_group():
     merged = merge([chunked_spec(), full_spec()])
-    assert attention_kinds(merged) == (True, False)
+    assert attention_kinds(merged) == (Kind.CHUNKED, Kind.GLOBAL)
     limits = EngineLimits(256, 8192, 131072, BS)
     caps = group_capacities(merged, limits)
-    assert caps[False].pages == 256 * 8192  # 256 requests x cdiv(131072, 16)
-    assert caps[True].batches > 256  # virtual batches exceed max_num_seqs
+    assert caps[Kind.GLOBAL].pages == 256 * 8192  # 256 requests x cdiv(131072, 16)
+    assert caps[Kind.CHUNKED].batches > 256  # virtual batches exceed max_num_seqs
     only_chunked = merge([chunked_spec(), chunked_spec()])
-    assert attention_kinds(only_chunked) == (True,)
+    assert attention_kinds(only_chunked) == (Kind.CHUNKED,)
 
 
 def test_sizing_graph_layouts_widen_capacity():
@@ -111,8 +109,8 @@ def test_sizing_graph_layouts_widen_capacity():
     caps = group_capacities(chunked_spec(c=256), limits, graph_batch_sizes=(1, 8),
                             query_lens=(1, 4))
     # verify: two slots per request, first slot up to c + 3 keys.
-    assert caps[True].batches >= 16
-    assert caps[True].pages >= 8 * (-(-(256 + 3) // BS) + 256 // BS)
+    assert caps[Kind.CHUNKED].batches >= 16
+    assert caps[Kind.CHUNKED].pages >= 8 * (-(-(256 + 3) // BS) + 256 // BS)
 
 
 @settings(max_examples=60, deadline=None)
@@ -134,9 +132,9 @@ def test_every_step_fits_the_capacity(data):
         return
     qsl = np.concatenate([[0], np.cumsum(q)])
     table = np.arange(n * (-(-model_len // BS))).reshape(n, -1)
-    for chunked, cap in group_capacities(spec, limits).items():
+    for kind, cap in group_capacities(spec, limits).items():
         buffers = MetadataBuffers(cap, BS, cuda_graphs=True)
-        write_step(buffers, qsl, seq, table, np.diff(qsl), 64 if chunked else None)
+        write_step(buffers, qsl, seq, table, np.diff(qsl), 64 if kind is Kind.CHUNKED else None)
 
 
 # ------------------------------------------------------- capacity backstop
@@ -147,7 +145,7 @@ def reporter_step(buffers):
 
 def test_capacity_backstop_grows_without_graphs(caplog):
     buffers = MetadataBuffers(Capacity(1, 512), BS, cuda_graphs=False, name="tiny")
-    with caplog.at_level(logging.WARNING, logger="chunklocal.metadata"):
+    with caplog.at_level(logging.WARNING, logger="chunklocal.backends.flashinfer.buffers"):
         step = reporter_step(buffers)
         reporter_step(buffers)
     assert step.num_batches == 5 and step.num_pages == 2250
@@ -181,7 +179,7 @@ def test_reporter_config_reproduces_max_num_seqs_failure_and_passes_with_bounds(
     with pytest.raises(ValueError, match="wrong size for the accumulation|non-broadcastable"):
         np.cumsum(pages, out=vllm_sized[1:len(pages) + 1])
     caps = group_capacities(chunked_spec(), REPORTER)
-    buffers = MetadataBuffers(caps[True], BS, cuda_graphs=True)
+    buffers = MetadataBuffers(caps[Kind.CHUNKED], BS, cuda_graphs=True)
     step = reporter_step(buffers)
     assert step.paged_kv_indptr.tolist() == [0, 512, 1024, 1536, 2048, 2250]
     assert step.paged_kv_last_page_len.tolist() == [16, 16, 16, 16, 36000 - 35984]
@@ -229,7 +227,7 @@ def test_graph_step_host_and_device_match_chunk_rule(data, chunk, query_len):
     two_slots = bool(chunk) and query_len > 1
     buffers = MetadataBuffers(Capacity(2 * batch, 2 * batch * width), BS, cuda_graphs=True,
                               verify_rows=batch * query_len)
-    step, mask = write_graph_step(buffers, seq, table, query_len, chunk, two_slots, 0)
+    step, mask = buffers.write_graph_step(seq, table, query_len, chunk, two_slots, 0)
     got = graph_rows(step, mask, query_len, batch, two_slots)
     qsl = np.arange(real + 1) * query_len
     expected = keys_expected(qsl, seq[:real], table[:real], chunk, BS)
@@ -238,7 +236,7 @@ def test_graph_step_host_and_device_match_chunk_rule(data, chunk, query_len):
     for keys in got[real * query_len:]:
         assert {k // BS for k in keys} <= {0}
     # The device path (torch ops, here on CPU) writes the same buffers.
-    write_graph_step_device(buffers, torch.from_numpy(seq).int(), torch.from_numpy(table).int(),
+    buffers.write_graph_step_device(torch.from_numpy(seq).int(), torch.from_numpy(table).int(),
                             query_len, chunk, two_slots, 0, model_len)
     n = step.num_batches
     assert torch.equal(buffers.gpu["paged_kv_indptr"][: n + 1], step.paged_kv_indptr)
@@ -253,7 +251,7 @@ def test_verify_straddling_window_uses_two_slots():
     # c = 32, window of 4 ending at 34: positions 30, 31 | 32, 33.
     buffers = MetadataBuffers(Capacity(2, 8), BS, verify_rows=4)
     table = np.array([[5, 6, 7]])
-    step, mask = write_graph_step(buffers, np.array([34]), table, 4, 32, True, 0)
+    step, mask = buffers.write_graph_step(np.array([34]), table, 4, 32, True, 0)
     assert step.paged_kv_indptr.tolist() == [0, 3, 4]
     assert step.paged_kv_last_page_len.tolist() == [2, 2]
     assert step.paged_kv_indices.tolist() == [5, 6, 7, 7]
@@ -329,7 +327,7 @@ def test_page_ids_past_int32_are_refused_not_wrapped(dtype, value):
                                          "which does not fit an int32"):
         buffers.write_host([1, 1], [4, 2], [0, 0], [0, 1], table)
     with pytest.raises(ValueError, match=rf"slot 0 reads block_table\[0, 1\] = {value}, "):
-        write_graph_step(buffers, np.array([3, 2]), table, 1, 4, False, 0)
+        buffers.write_graph_step(np.array([3, 2]), table, 1, 4, False, 0)
     assert_state_unchanged(buffers, before)
     # Only pages a real slot reads count: padding slots and unread columns may hold anything.
     step = buffers.write_host([1, 1], [2, 2], [0, 0], [-1, 1], table, scratch_page=9)

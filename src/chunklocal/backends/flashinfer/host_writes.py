@@ -1,11 +1,12 @@
 """Host write paths of the metadata buffers: numpy into the pinned mirrors.
 
-:class:`HostWrites` is the host half of :class:`chunklocal.metadata.MetadataBuffers`
-(a base class, not used alone: it reads the mirrors, capacity and caches that
-``MetadataBuffers._allocate`` sets up).  :meth:`HostWrites.write_host` is the
-general path for any slots; :meth:`HostWrites.write_decode_chunked` (pure decode of
-chunked layers) and :meth:`HostWrites.write_whole_requests` (global layers reading
-whole requests) are fast paths that fill the same arrays with fewer numpy calls
+:class:`HostWrites` is the host half of :class:`.buffers.MetadataBuffers`: it owns
+the two pinned mirror sets and their caches (:meth:`HostWrites._allocate_mirrors`);
+from the subclass it reads only ``name``, ``block_size`` and ``ensure_capacity``.
+:meth:`HostWrites.write_host` is the general path for any slots;
+:meth:`HostWrites.write_decode_chunked` (pure decode of chunked layers) and
+:meth:`HostWrites.write_whole_requests` (global layers reading whole requests)
+are fast paths that fill the same arrays with fewer numpy calls
 and hand any input they do not cover to the general path.
 """
 
@@ -16,10 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunklocal._validate import cdiv, raise_first
-from chunklocal.graph_layout import graph_slots
-
-_INT32_MAX = np.iinfo(np.int32).max
+from chunklocal._validate import INT32_MAX, cdiv, raise_first
+from chunklocal.backends.flashinfer.graph_layout import graph_slots
 
 
 class _DecodeCache:
@@ -59,11 +58,29 @@ class HostStep:
 
 
 class HostWrites:
-    """Host writes of :class:`~chunklocal.metadata.MetadataBuffers` (see module doc)."""
+    """Host writes of :class:`.buffers.MetadataBuffers` (see module doc)."""
+
+    def _allocate_mirrors(self, lengths: dict[str, int], pin: bool) -> None:
+        """Two pinned mirror sets of int32 buffers of ``lengths`` entries, and their caches.
+
+        Two sets: a step's non-blocking copies may still be queued when the next
+        step is written, so writes alternate and wait on the older copy.
+        """
+        self.host = [{n: torch.zeros(size, dtype=torch.int32, pin_memory=pin)
+                      for n, size in lengths.items()} for _ in range(2)]
+        # numpy views of the mirrors, made once (t.numpy() per call is not free).
+        self._host_np = [{n: t.numpy() for n, t in mirrors.items()} for mirrors in self.host]
+        self._room = (lengths["paged_kv_indptr"] - 1, lengths["paged_kv_indices"])
+        self._decode_cache = _DecodeCache()
+        self._view_cache: dict = {}
+        # Per mirror set: qo_indptr[:k] is known to hold 0..k-1 (a decode wrote it).
+        self._qo_counting = [0, 0]
+        self._next_set = 0
+        self._copy_done: list[torch.cuda.Event | None] = [None, None]
 
     def write_host(self, query_lens, kv_lens, first_page, rows, block_table,
                    scratch_page: int = 0) -> HostStep:
-        """Fill a mirror set for slots as described in chunklocal.metadata (numpy, vectorised)."""
+        """Fill a mirror set for slots as described in :mod:`.buffers` (numpy, vectorised)."""
         q = np.asarray(query_lens, dtype=np.int64)
         kv = np.asarray(kv_lens, dtype=np.int64)
         num_batches = q.shape[0]
@@ -130,10 +147,10 @@ class HostWrites:
     def _check_int32_pages(self, gathered, padding, pages, ends, rows, first) -> None:
         """Page ids reach the int32 mirror: refuse one a real slot reads that would wrap."""
         # Two reductions (no temporaries) clear the usual table; the mask only on failure.
-        if not gathered.size or (gathered.max() <= _INT32_MAX
-                                 and gathered.min() >= -_INT32_MAX - 1):
+        if not gathered.size or (gathered.max() <= INT32_MAX
+                                 and gathered.min() >= -INT32_MAX - 1):
             return
-        wraps = (gathered > _INT32_MAX) | (gathered < -_INT32_MAX - 1)
+        wraps = (gathered > INT32_MAX) | (gathered < -INT32_MAX - 1)
         if padding.any():
             wraps &= ~np.repeat(padding, pages)
 
@@ -146,12 +163,12 @@ class HostWrites:
 
         raise_first(wraps, message)
 
-    def write_decode_chunked(self, seq_lens, block_table, chunk: int,
+    def write_decode_chunked(self, seq_lens, block_table, chunk_size: int,
                              scratch_page: int = 0) -> HostStep:
         """Pure-decode step of chunked layers: one slot per request, its last chunk's pages.
 
         Fills the same arrays as :meth:`write_host` on ``graph_slots(seq_lens, 1,
-        chunk, block_size, False)`` (a request with ``seq_len <= 0`` is a padding
+        chunk_size, block_size, False)`` (a request with ``seq_len <= 0`` is a padding
         slot) in about a dozen numpy calls: per-request arithmetic once in int64,
         results written straight into the mirrors, aranges and row offsets reused
         across steps.  Inputs this path does not cover go to the general one,
@@ -162,12 +179,12 @@ class HostWrites:
         bs = self.block_size
         n = s.shape[0] if s.ndim == 1 else 0
         if (not n or s.dtype.kind != "i" or table.ndim != 2 or not table.size
-                or table.shape[0] < n or chunk % bs or int(s.max()) > table.shape[1] * bs):
-            kv, first, rows = graph_slots(s, 1, chunk, bs, False)
+                or table.shape[0] < n or chunk_size % bs or int(s.max()) > table.shape[1] * bs):
+            kv, first, rows = graph_slots(s, 1, chunk_size, bs, False)
             return self.write_host(np.ones(kv.shape[0], np.int64), kv, first, rows, table,
                                    scratch_page)
         # Request r's last key is at page p_r = (s_r - 1) // bs, offset o_r in it; its
-        # chunk holds pages_r = p_r % (chunk // bs) + 1 pages ending at p_r, with
+        # chunk holds pages_r = p_r % (chunk_size // bs) + 1 pages ending at p_r, with
         # p_r < cdiv(s_r, bs) <= width (checked above): every flat index below is in
         # range, so the gather skips numpy's bounds check (mode="wrap").
         # max(s - 1, 0) turns a padding request into one key at page 0.
@@ -176,9 +193,9 @@ class HostWrites:
         if padded:
             np.maximum(last_key, 0, out=last_key)
         last_page, last_offset = np.divmod(last_key, bs)
-        pages = np.remainder(last_page, chunk // bs)
+        pages = np.remainder(last_page, chunk_size // bs)
         pages += 1
-        if n > self._room[0] or n * (chunk // bs) > self._room[1]:
+        if n > self._room[0] or n * (chunk_size // bs) > self._room[1]:
             self.ensure_capacity(n, int(pages.sum()))
         mirror_set = self._claim_mirror_set()
         host = self._host_np[mirror_set]

@@ -1,7 +1,7 @@
 """`chunklocal demo`: the reporter's scenario of vLLM issue 49980, end to end on the CPU.
 
 Stages 1-2 below; stage 3 (the whole Llama-4 model served by chunklocal.LLM) is
-in :mod:`chunklocal.demo_model`.
+in :mod:`chunklocal.cli.demo_model`.
 
 One 36000-token prompt, attention_chunk_size 8192, pages of 16 tokens, engine
 sized for max_num_seqs=1.  Stage 1 (this module): split it into virtual
@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chunklocal import sizing
 from chunklocal._validate import cdiv, positive_int
+from chunklocal.cli.demo_model import run_engine_demo
+from chunklocal.cli.plan import REPORTER_CONFIG, format_plan, plan
 from chunklocal.reference import reference_attention
 from chunklocal.virtual_batches import VirtualBatches, make_virtual_batches
 
@@ -148,8 +149,8 @@ def show_overflow(vb_seq_lens: np.ndarray, max_num_seqs: int, block_size: int,
 
 
 def print_sizing(config: dict | None = None) -> dict:
-    result = sizing.plan(**(config or sizing.REPORTER_CONFIG))
-    print(sizing.format_plan(result))
+    result = plan(**(config or REPORTER_CONFIG))
+    print(format_plan(result))
     return result
 
 
@@ -195,7 +196,7 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
 
 
 def main(args) -> int:
-    cfg = sizing.REPORTER_CONFIG
+    cfg = REPORTER_CONFIG
     sc = reporter_scenario(seq_len=cfg["max_model_len"], chunk_size=cfg["chunk_size"],
                            block_size=cfg["block_size"], num_q_heads=args.num_q_heads,
                            num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
@@ -210,8 +211,6 @@ def main(args) -> int:
     show_overflow(vb.seq_lens, cfg["max_num_seqs"], cfg["block_size"],
                   result["virtual_batches"]["ours"])
     print("\n== 3. the whole model, served by chunklocal.LLM ==")
-    from chunklocal.demo_model import run_engine_demo
-
     engine_ok = run_engine_demo(args.model, args.device, args.prompt_len, args.new_tokens,
                                 args.seed, check_transformers=args.check_transformers)
     return 0 if error < TOLERANCE and engine_ok else 1

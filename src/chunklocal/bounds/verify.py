@@ -19,7 +19,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from chunklocal._validate import positive_int
-from chunklocal.bounds import (
+from chunklocal.bounds.closed_forms import (
     _global_pages_formula,
     _local_pages_formula,
     _virtual_batches_formula,

@@ -1,10 +1,9 @@
-"""Batches that attain each bound of :mod:`chunklocal.bounds` (its ``witness_*``).
+"""Batches that attain each bound of :mod:`chunklocal.bounds.closed_forms` (``witness_*``).
 
 Each ``witness_*`` returns ``(q list, s list)``: a batch within the engine
 limits whose virtual batches (or pages) equal the closed form, which shows the
 bound is tight (tests/test_bounds.py measures each with make_virtual_batches).
-Requests are placed by :func:`best_seq_len`.  The functions are re-exported from
-:mod:`chunklocal.bounds`.
+Requests are placed by :func:`best_seq_len`.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from chunklocal._validate import cdiv
-from chunklocal.bounds import (
+from chunklocal.bounds.closed_forms import (
     _best_length,
     _limits,
     _pieces_of_length,

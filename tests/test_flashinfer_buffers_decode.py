@@ -16,16 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunklocal.metadata import (
-    Capacity,
-    MetadataBuffers,
-    graph_slots,
-    slot_page_limits,
-    verify_use_first,
-    write_graph_step,
-    write_graph_step_device,
-    write_step,
-)
+from chunklocal.backends.flashinfer.buffers import MetadataBuffers, write_step
+from chunklocal.backends.flashinfer.graph_layout import graph_slots, verify_use_first
+from chunklocal.bounds.sizing import Capacity, slot_page_limits
 
 GEOMETRIES = [(32, 4), (64, 16), (48, 16), (16, 16), (8192, 16)]
 
@@ -132,7 +125,7 @@ def test_fast_decode_rejects_a_too_narrow_table_like_the_general_path():
 
 
 def test_fast_decode_keeps_buffers_frozen_under_graphs():
-    from chunklocal.metadata import CapacityError
+    from chunklocal.backends.flashinfer.buffers import CapacityError
 
     buffers = MetadataBuffers(Capacity(2, 4), 16, cuda_graphs=True, name="tiny")
     table = np.arange(1, 41).reshape(2, 20)
@@ -199,9 +192,9 @@ def test_graph_layout_rejects_a_window_longer_than_the_chunk():
     buffers = MetadataBuffers(Capacity(4, 32), 1, verify_rows=8)
     table = np.arange(8).reshape(1, 8)
     with pytest.raises(ValueError, match=message):
-        write_graph_step(buffers, seq, table, 5, 2, True, 0)
+        buffers.write_graph_step(seq, table, 5, 2, True, 0)
     with pytest.raises(ValueError, match=message):
-        write_graph_step_device(buffers, torch.from_numpy(seq), torch.from_numpy(table), 5, 2,
+        buffers.write_graph_step_device(torch.from_numpy(seq), torch.from_numpy(table), 5, 2,
                                 True, 0, 16)
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from chunklocal import bounds
-from chunklocal.models.llama4 import require_hf
+from chunklocal.bounds import max_virtual_batches
+from chunklocal.models.llama4_config import require_hf
 
 LOGITS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
@@ -111,7 +111,7 @@ def run_engine_demo(model_dir=None, device="cpu", prompt_len=36000, new_tokens=3
                 config = llm.config
                 print(f"model: {describe(config)}")
                 prompt = [rng.randrange(config.vocab_size) for _ in range(prompt_len)]
-            bound = bounds.max_virtual_batches(1, budget, config.attention_chunk_size,
+            bound = max_virtual_batches(1, budget, config.attention_chunk_size,
                                                max_model_len)
             # Keep the last prompt position's logits of the run (no extra pass).
             llm.runner.capture, llm.runner.capture_last_only = {}, True
