@@ -3,7 +3,7 @@
 # runs under its own time limit and writes its JSON after every case, so one hang
 # or failure cannot cost the others.  From the repository root, on the device:
 #   source .whl/device-env.sh && benchmarks/run_device.sh OUT_DIR [SCRIPT ...]
-# SCRIPT is any of kernel_floor metadata cuda_graphs engine (default: all).
+# SCRIPT is any of kernel_floor metadata cuda_graphs engine moe (default: all but moe).
 # Extra engine arguments go in ENGINE_ARGS.
 set -u
 out=${1:-benchmarks/results}; shift || true
@@ -28,5 +28,6 @@ for s in $scripts; do
       bench 20 benchmarks.metadata_stages --out "$out/host" ;;
     cuda_graphs) bench "${CUDA_GRAPHS_S:-45}" benchmarks.cuda_graphs --out "$out" ;;
     engine) bench "${ENGINE_S:-200}" benchmarks.engine --out "$out" ${ENGINE_ARGS:-} ;;
+    moe) bench "${MOE_S:-500}" benchmarks.moe --out "$out" ;;
   esac
 done

@@ -407,28 +407,6 @@ def test_progress_bar_and_summary_line(ckpt, capsys):
     assert llm.runner.tokens_per_step == [sum(e - s for s, e in step) for step in schedule]
 
 
-def test_moe_sparse_path_matches_dense_path(monkeypatch):
-    """Long batches (per-expert slices) equal the all-experts dense path, including an
-    expert that no token picks."""
-    from types import SimpleNamespace
-
-    from chunklocal.models.llama4 import MoE
-
-    config = SimpleNamespace(num_experts_per_tok=2, num_local_experts=6, hidden_size=16,
-                             intermediate_size=24)
-    torch.manual_seed(0)
-    moe = MoE(config)
-    for param in moe.parameters():
-        torch.nn.init.normal_(param, std=0.3)
-    with torch.no_grad():
-        moe.router.weight[5] = -10.0  # expert 5: never in anyone's top 2
-        x = torch.randn(3 * MoE.DENSE_MAX_TOKENS, 16).abs()
-        sparse = moe(x)
-        monkeypatch.setattr(MoE, "DENSE_MAX_TOKENS", x.shape[0])
-        dense = moe(x)
-    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("entry", ["generate", "prompt_logits"])
 def test_failed_step_frees_every_request(ckpt, monkeypatch, error, entry):

@@ -42,7 +42,7 @@ def test_shard_rule_cuts_fused_blocks_separately():
 
 
 def shard(local: torch.nn.Module, full: torch.nn.Module) -> torch.nn.Module:
-    rules = getattr(local, "shard_rules", {})
+    rules = shard_rules(local)
     state = {n: rules[n].take(n, t) if n in rules else t for n, t in full.state_dict().items()}
     local.load_state_dict(state, strict=True)
     return local
@@ -91,7 +91,7 @@ CONFIGS = st.sampled_from([
 @given(heads=CONFIGS, moe=st.sampled_from(["tp", "ep"]), top_k=st.sampled_from([1, 2]),
        length=st.integers(1, 90), seed=st.integers(0, 2**16), bias=st.booleans())
 def test_model_slices_match_unsplit_model(heads, moe, top_k, length, seed, bias):
-    """Whole model, one prefill: lengths past MoE.DENSE_MAX_TOKENS take the sparse path."""
+    """Whole model, one prefill of 1 to 90 tokens."""
     num_heads, num_kv_heads, n = heads
     config = tiny_config(num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                          head_dim=8, attention_chunk_size=16, num_hidden_layers=4,
@@ -122,8 +122,9 @@ def test_shard_rules_name_every_split_parameter():
         tp, ep = groups(2, "tp")[1], groups(2, "ep")[1]
         rules_tp = shard_rules(Llama4ForCausalLM(config, tp))
         rules_ep = shard_rules(Llama4ForCausalLM(config, ep))
-    assert rules_tp["model.layers.1.feed_forward.experts.gate_up_proj"] == ShardRule(2, 2, 1, 2)
-    assert rules_ep["model.layers.1.feed_forward.experts.gate_up_proj"] == ShardRule(0, 2, 1)
+    assert rules_tp["model.layers.1.feed_forward.experts.w13"] == ShardRule(1, 2, 1, 2)
+    assert rules_tp["model.layers.1.feed_forward.experts.w2"] == ShardRule(2, 2, 1)
+    assert rules_ep["model.layers.1.feed_forward.experts.w13"] == ShardRule(0, 2, 1)
     # KV heads 2 on 2 ranks: split; router and norms replicated
     assert rules_tp["model.layers.0.self_attn.k_proj.weight"] == ShardRule(0, 2, 1)
     assert not any("router" in n or "norm" in n for n in rules_tp)
@@ -158,3 +159,27 @@ def test_divisibility_only_where_the_scheme_splits():
     # no MoE layer: experts and their inner size are never split
     dense = tiny_config(**{**BASE, "intermediate_size": 63, "moe_layers": []})
     assert check_tensor_parallel(dense, 2, "ep") == 2
+
+
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+def test_moe_layer_float64_padded_path(moe):
+    """float64 runs moe.padded_mm, where pairs routed to another rank's experts sort past
+    the last group yet get computed with real weights: they must be dropped, not summed."""
+    from chunklocal.models.moe import MoE
+
+    torch.manual_seed(0)
+    act = torch.nn.SiLU()
+    full = MoE(8, 2, 16, 12, act).double()
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(37, 16, dtype=torch.float64)
+
+    def per_rank(tp):
+        local = MoE(8, 2, 16, 12, act, tp=tp).double()
+        return shard(local, full)(x)
+
+    with torch.no_grad():
+        outs = run_ranks(per_rank, groups(4, moe))
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        assert rel_err(outs[0], full(x)) < 1e-12

@@ -8,8 +8,8 @@ backend metadata object per step (:class:`chunklocal.backends.base.AttentionStep
 Numerics follow transformers' ``Llama4ForCausalLM``: RoPE as a complex product
 over interleaved pairs ``(x[2i], x[2i+1])`` in float32, L2 qk-norm after RoPE on
 RoPE layers only, temperature tuning of the queries on NoPE layers, a top-k
-router whose sigmoid scores scale the expert *inputs*, a shared expert, and the
-dense MLP width ``intermediate_size_mlp`` on non-MoE layers.
+router whose sigmoid scores scale the expert *inputs*, a shared expert (both in
+models/moe.py), and the dense MLP width ``intermediate_size_mlp`` on non-MoE layers.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from chunklocal.backends.base import AttentionStep, Kind
@@ -27,9 +26,10 @@ from chunklocal.models.llama4_config import (
     load_text_config,
     supported_rope_type,
 )
+from chunklocal.models.moe import MoE, hf_expert_tensor
+from chunklocal.models.moe import configure as configure_moe
 from chunklocal.models.parallel import (
     SINGLE,
-    ShardRule,
     TPGroup,
     column_parallel,
     row_parallel,
@@ -67,93 +67,6 @@ class GatedMLP(nn.Module):
     def forward(self, x):
         out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         return self.tp.all_reduce(out) if self.reduce else out
-
-
-class Experts(nn.Module):
-    """This rank's experts: all of them, each with 1/N of the inner size (``tp.moe ==
-    "tp"``), or experts ``[rank * E / N, (rank + 1) * E / N)`` whole ("ep")."""
-
-    def __init__(self, num_experts: int, hidden: int, inner: int, act: nn.Module,
-                 tp: TPGroup = SINGLE):
-        super().__init__()
-        self.act = act
-        n, r = tp.size, tp.rank
-        if n > 1 and tp.moe == "ep":
-            num_experts //= n
-            by_expert = ShardRule(0, n, r)
-            self.shard_rules = {"gate_up_proj": by_expert, "down_proj": by_expert}
-        elif n > 1:
-            inner //= n
-            self.shard_rules = {"gate_up_proj": ShardRule(2, n, r, parts=2),
-                                "down_proj": ShardRule(1, n, r)}
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inner))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
-
-    def run(self, expert, x):
-        gate, up = (x @ self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return (self.act(gate) * up) @ self.down_proj[expert]
-
-    def run_all(self, x_per_expert):
-        """x_per_expert [E, T, H] -> [E, T, H]; shape-static (CUDA-graph safe)."""
-        gate, up = torch.bmm(x_per_expert, self.gate_up_proj).chunk(2, dim=-1)
-        return torch.bmm(self.act(gate) * up, self.down_proj)
-
-
-class Router(nn.Module):
-    def __init__(self, hidden: int, num_experts: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-
-
-class MoE(nn.Module):
-    #: Up to this many tokens every expert runs on every token (scores of the
-    #: unchosen experts are 0, so their inputs and outputs are exactly 0): no
-    #: data-dependent shapes, so decode steps can be captured in a CUDA graph.
-    DENSE_MAX_TOKENS = 64
-
-    def __init__(self, config, tp: TPGroup = SINGLE):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_local_experts
-        act = activation(config)
-        self.tp = tp
-        self.experts = Experts(self.num_experts, config.hidden_size, config.intermediate_size,
-                               act, tp)
-        #: Global ids of this rank's experts: [first_expert, first_expert + local).
-        self.num_local_experts = self.experts.down_proj.shape[0]
-        self.first_expert = tp.rank * self.num_local_experts if tp.moe == "ep" else 0
-        self.router = Router(config.hidden_size, self.num_experts)
-        # Routed and shared outputs are partial sums over the ranks: one all-reduce.
-        self.shared_expert = GatedMLP(config.hidden_size, config.intermediate_size, act, tp,
-                                      reduce=False)
-
-    def forward(self, x):
-        logits = F.linear(x, self.router.weight)
-        top_logit, top_index = torch.topk(logits, self.top_k, dim=1)
-        top_score = torch.sigmoid(top_logit.float()).to(x.dtype)
-        out = self.shared_expert(x)
-        if x.shape[0] <= self.DENSE_MAX_TOKENS or (
-                x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            scores = torch.zeros_like(logits).scatter_(1, top_index, top_score)
-            if self.num_local_experts != self.num_experts:  # "ep": only this rank's experts
-                scores = scores[:, self.first_expert:self.first_expert + self.num_local_experts]
-            routed = self.experts.run_all(scores.t().unsqueeze(-1) * x.unsqueeze(0))
-            return self.tp.all_reduce(out + routed.sum(0))
-        # Long batches: each expert runs only on its own tokens.  One stable sort
-        # groups the (token, expert) pairs by expert; one .tolist() of the counts
-        # is the layer's only host sync (not one per expert).
-        flat_expert = top_index.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        rows_sorted = torch.div(order, self.top_k, rounding_mode="floor")
-        scores_sorted = top_score.reshape(-1, 1)[order]
-        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
-        pieces = zip(rows_sorted.split(counts), scores_sorted.split(counts), strict=True)
-        local = range(self.first_expert, self.first_expert + self.num_local_experts)
-        for expert, (rows, scores) in enumerate(pieces):
-            if counts[expert] and expert in local:  # other ranks' experts add 0 here
-                out.index_add_(0, rows, self.experts.run(expert - self.first_expert,
-                                                         x[rows] * scores))
-        return self.tp.all_reduce(out)
 
 
 class Attention(nn.Module):
@@ -216,7 +129,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, tp)
         if layer_idx in config.moe_layers:
-            self.feed_forward = MoE(config, tp)
+            self.feed_forward = MoE.from_config(config, activation(config), tp=tp)
         else:
             self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size_mlp,
                                          activation(config), tp)
@@ -315,11 +228,12 @@ def load_llama4(model_dir, device="cpu", dtype=None, tp: TPGroup = SINGLE) -> Ll
                 name = key[len("language_model."):] if key.startswith("language_model.") else key
                 if not name.startswith(("model.", "lm_head.")):
                     continue
-                tensor = f.get_tensor(key)
+                name, tensor = hf_expert_tensor(name, f.get_tensor(key))
                 state[name] = rules[name].take(name, tensor) if name in rules else tensor
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype).eval()
+    configure_moe(model)
     model.init_rope(device)
     return model

@@ -1,0 +1,278 @@
+"""Llama-4 mixture of experts: each token's top-k experts only, loop-free and capturable.
+
+Routing is transformers' ``Llama4Router``: logits ``x @ router.T``, top-k per token,
+score ``sigmoid(top logit)`` (float32, cast to the activation dtype), and the score
+scales the expert's *input* (``expert(score * x)``), not its output.  The shared
+expert runs on every token and is added to the routed experts' sum.
+
+One step, whatever its size: the ``tokens * top_k`` (token, expert) pairs are sorted by
+expert on the device (``torch.sort`` + ``searchsorted`` give int32 cumulative offsets),
+gathered, run through two grouped GEMMs (``torch._grouped_mm``; each expert's weights
+are read once and only routed rows are multiplied) and scattered back.  No shape
+depends on the routing and nothing waits for the host, so steps can be captured in
+CUDA graphs.
+
+Weights, ``(N, K)`` per expert as ``nn.Linear`` holds them (so per-output-channel FP8
+scales are ``[E, N]``): ``w13 [E, 2 * inner, hidden]`` (gate rows, then up rows) and
+``w2 [E, hidden, inner]``.  :func:`hf_expert_tensor` maps transformers' checkpoint
+layout (``gate_up_proj [E, hidden, 2 * inner]``, ``down_proj [E, inner, hidden]``).
+After :meth:`MoE.stack_shared` the shared expert is slot ``E`` of the same stacks, so
+steps of at most ``fuse_max_tokens`` run it as one more group in the same two GEMMs
+(every token routed to it with score 1) and longer steps as dense GEMMs on the slot.
+Steps of at most ``triton_max_pairs`` pairs run the routed GEMMs through
+``moe_triton``'s kernel instead (decode sizes; off by default).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chunklocal.models.parallel import SINGLE, ShardRule, TPGroup, column_parallel, row_parallel
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+# How loaded models run their MoE layers (see :func:`configure`); set from
+# benchmarks/moe.py's H200 measurements, off until those exist.
+STACK_SHARED = False    # shared expert into slot E of the stacks (float weights)
+FUSE_MAX_TOKENS = 0     # steps up to this many tokens run it as group E
+TRITON_MAX_PAIRS = 0    # steps up to this many (token, expert) pairs use moe_triton
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int):
+    """(expert ids [T, top_k] int64, scores [T, top_k] in x.dtype), as Llama4Router."""
+    logits = F.linear(x, router_weight)
+    top_logit, expert = torch.topk(logits, top_k, dim=1)
+    return expert, torch.sigmoid(top_logit.float()).to(x.dtype)
+
+
+def sort_by_expert(expert: torch.Tensor, num_groups: int):
+    """Pairs in expert order.
+
+    ``expert``: [T, k] group id of each (token, slot) pair.  Returns ``order`` [T * k]
+    (int64: flat pair index of each sorted row; stable, so rows of one group keep token
+    order) and ``offs`` [num_groups] int32, the end row of each group (``offs[-1] ==
+    T * k``), as ``torch._grouped_mm`` takes them.  Device-side, no host sync.
+    """
+    sorted_expert, order = torch.sort(expert.reshape(-1), stable=True)
+    ids = torch.arange(num_groups, device=expert.device, dtype=sorted_expert.dtype)
+    offs = torch.searchsorted(sorted_expert, ids, right=True, out_int32=True)
+    return order, offs
+
+
+def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+              w_scale: torch.Tensor | None = None, small_m: bool = False) -> torch.Tensor:
+    """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e].T`` (``w [E, N, K]``) -> [M, N].
+
+    float8 weights with per-output-channel ``w_scale [E, N]`` go to
+    ``quant.fp8_grouped_mm``; float weights to ``torch._grouped_mm`` where torch has a
+    grouped kernel for the device and dtype (CUDA bf16 on sm90/sm100; the CPU's float32,
+    bf16 and float16).  Otherwise, eagerly, torch's own per-group fallback (it reads
+    ``offs`` on the host), and under CUDA-graph capture or where torch has none (float64)
+    :func:`padded_mm`.  ``small_m`` (few rows per expert, float weights, where
+    ``moe_triton.available``): the Triton kernel of ``moe_triton`` instead.
+    """
+    if w.dtype in FP8_DTYPES:
+        if w_scale is None:
+            raise ValueError(f"float8 expert weights {tuple(w.shape)} need a weight scale")
+        from chunklocal.models.quant import fp8_grouped_mm
+
+        return fp8_grouped_mm(x, w, w_scale, offs)
+    if w_scale is not None:
+        raise ValueError(f"a weight scale was given for {w.dtype} expert weights")
+    if small_m:
+        import chunklocal.models.moe_triton as moe_triton
+
+        if moe_triton.available(x):
+            return moe_triton.grouped_mm_small(x, w, offs)
+    if _native_grouped_mm(x.device, x.dtype) or (
+            not _capturing(x) and _torch_grouped_mm_runs(x.device.type, x.dtype)):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    return padded_mm(x, w, offs)
+
+
+def padded_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """:func:`expert_mm` through one bmm in which every expert sees all ``M`` rows, zero
+    outside its own: exact in any dtype and capturable, at E times the routed FLOPs."""
+    rows = torch.arange(x.shape[0], device=x.device)
+    group = torch.searchsorted(offs, rows.to(offs.dtype), right=True).clamp_(max=w.shape[0] - 1)
+    padded = x.new_zeros(w.shape[0], x.shape[0], x.shape[1])
+    padded[group, rows] = x
+    return torch.bmm(padded, w.transpose(1, 2))[group, rows]
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _native_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Torch runs ``_grouped_mm`` as one kernel here (no per-group host loop)."""
+    if device.type == "cuda":
+        major = torch.cuda.get_device_capability(device)[0]
+        return dtype == torch.bfloat16 and major in (9, 10) and hasattr(torch, "_grouped_mm")
+    return device.type == "cpu" and _torch_grouped_mm_runs("cpu", dtype)
+
+
+@functools.cache
+def _torch_grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch's ``_grouped_mm`` takes ``dtype`` on ``device_type``: probed once,
+    and never under capture (:func:`expert_mm` asks only when not capturing)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.zeros(2, 8, dtype=dtype, device=device_type)
+        b = torch.zeros(2, 8, 8, dtype=dtype, device=device_type)
+        torch._grouped_mm(a, b, offs=torch.tensor([1, 2], dtype=torch.int32, device=device_type))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def hf_expert_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """transformers' expert tensors to this layout (other names pass unchanged):
+    ``experts.gate_up_proj [E, H, 2I] -> experts.w13 [E, 2I, H]``,
+    ``experts.down_proj [E, I, H] -> experts.w2 [E, H, I]``."""
+    for hf, ours in (("experts.gate_up_proj", "experts.w13"), ("experts.down_proj", "experts.w2")):
+        if name.endswith(hf) and tensor.dim() == 3:
+            return name[: -len(hf)] + ours, tensor.transpose(1, 2).contiguous()
+    return name, tensor
+
+
+def configure(model: nn.Module, stack_shared: bool | None = None,
+              fuse_max_tokens: int | None = None, triton_max_pairs: int | None = None) -> int:
+    """Apply the module defaults above (or the given values) to every MoE layer of a
+    loaded model; returns how many layers there are."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        if STACK_SHARED if stack_shared is None else stack_shared:
+            layer.stack_shared()
+        layer.fuse_max_tokens = FUSE_MAX_TOKENS if fuse_max_tokens is None else fuse_max_tokens
+        layer.triton_max_pairs = (TRITON_MAX_PAIRS if triton_max_pairs is None
+                                  else triton_max_pairs)
+    return len(layers)
+
+
+class Experts(nn.Module):
+    """Stacked expert weights ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (+ FP8 scales).
+
+    Tensor parallel: ``tp.moe == "tp"`` keeps every expert with 1/N of its inner size
+    (gate and up rows sliced alike, and their scales; ``w2`` by columns); "ep" keeps
+    experts ``[rank * E / N, (rank + 1) * E / N)`` whole."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        n, r = tp.size, tp.rank
+        if n > 1 and tp.moe == "ep":
+            num_experts //= n
+            by_expert = ShardRule(0, n, r)
+            self.shard_rules = dict.fromkeys(("w13", "w2", "w13_scale", "w2_scale"), by_expert)
+        elif n > 1:
+            inner //= n
+            self.shard_rules = {"w13": ShardRule(1, n, r, parts=2), "w2": ShardRule(2, n, r),
+                                "w13_scale": ShardRule(1, n, r, parts=2)}
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        # Per-output-channel float32 scales of float8 weights ([E, 2I], [E, H]); a
+        # quantized loader assigns them (then they are buffers), float weights have none.
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
+
+
+class SharedExpert(nn.Module):
+    """transformers' ``Llama4TextMLP`` (names as in the checkpoint); tensor parallel: this
+    rank's slice of the inner size, its output a partial sum (the MoE layer reduces)."""
+
+    def __init__(self, hidden: int, inner: int, act: nn.Module, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.act = act
+        self.gate_proj = column_parallel(hidden, inner, False, tp)
+        self.up_proj = column_parallel(hidden, inner, False, tp)
+        self.down_proj = row_parallel(inner, hidden, False, tp)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Llama-4 MoE block: ``shared(x) + sum_k expert_k(score_k * x)`` over the top-k experts.
+
+    Tensor parallel (``tp``): the router is whole on every rank, so every rank routes
+    every token alike; a rank's experts ("tp": slices of all, "ep": its whole experts)
+    and its shared-expert slice give a partial sum -- pairs routed to another rank's
+    experts add 0 here -- and one all-reduce completes the layer."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, inner: int, act: nn.Module,
+                 fuse_max_tokens: int = 0, tp: TPGroup = SINGLE):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{num_experts}, got {top_k}")
+        self.num_experts, self.top_k, self.act, self.tp = num_experts, top_k, act, tp
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, inner, tp)
+        #: This rank's experts are global ids [first_expert, first_expert + num_local).
+        self.num_local = self.experts.w13.shape[0]
+        self.first_expert = tp.rank * self.num_local if self.num_local != num_experts else 0
+        self.shared_expert = SharedExpert(hidden, inner, act, tp)
+        self.stacked = False            # shared expert is slot E of the stacks
+        self.fuse_max_tokens = fuse_max_tokens
+        # Steps of at most this many (token, expert) pairs use moe_triton's kernel where it
+        # runs; 0 = never (the default until the benchmark shows where it pays).
+        self.triton_max_pairs = 0
+
+    @classmethod
+    def from_config(cls, config, act: nn.Module, **kwargs) -> MoE:
+        return cls(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
+                   config.intermediate_size, act, **kwargs)
+
+    @torch.no_grad()
+    def stack_shared(self) -> bool:
+        """Move the shared expert into slot E of ``w13``/``w2`` (one copy of the stacks).
+        Only for float weights of one dtype; returns whether it stacked."""
+        ex, sh = self.experts, self.shared_expert
+        if self.stacked or ex.w13_scale is not None or ex.w13.dtype != sh.gate_proj.weight.dtype \
+                or ex.w13.shape[1] != 2 * sh.gate_proj.weight.shape[0]:  # "ep": whole experts
+            return self.stacked
+        w13 = torch.cat([sh.gate_proj.weight, sh.up_proj.weight]).unsqueeze(0)
+        ex.w13 = nn.Parameter(torch.cat([ex.w13, w13]), requires_grad=False)
+        ex.w2 = nn.Parameter(torch.cat([ex.w2, sh.down_proj.weight.unsqueeze(0)]),
+                             requires_grad=False)
+        self.shared_expert, self.stacked = None, True
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens, hidden = x.shape
+        expert, score = route(x, self.router.weight, self.top_k)
+        ex, num_groups = self.experts, self.num_local
+        elsewhere = None
+        if num_groups != self.num_experts:  # "ep": other ranks' experts sort past the end
+            expert = expert - self.first_expert
+            elsewhere = (expert < 0) | (expert >= num_groups)
+            expert = expert.masked_fill(elsewhere, num_groups)
+        fused = self.stacked and tokens <= self.fuse_max_tokens
+        if fused:  # the shared expert as group E: every token, score 1
+            expert = torch.cat([expert, expert.new_full((tokens, 1), num_groups)], dim=1)
+            score = torch.cat([score, score.new_ones(tokens, 1)], dim=1)
+            num_groups += 1
+        slots = expert.shape[1]
+        order, offs = sort_by_expert(expert, num_groups)
+        token = order // slots if slots > 1 else order
+        rows = x[token] * score.reshape(-1, 1)[order]  # Llama-4 scales the input
+        w13, w2 = ex.w13[:num_groups], ex.w2[:num_groups]
+        small = rows.shape[0] <= self.triton_max_pairs
+        gate, up = expert_mm(rows, w13, offs, ex.w13_scale, small).chunk(2, dim=-1)
+        rows = expert_mm(self.act(gate) * up, w2, offs, ex.w2_scale, small)
+        per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
+        if elsewhere is not None:  # rows past the last group are unspecified: drop them
+            per_slot = per_slot.masked_fill(elsewhere.reshape(-1, 1), 0)
+        routed = per_slot.view(tokens, slots, hidden).sum(1) if slots > 1 else per_slot
+        return self.tp.all_reduce(routed if fused else self._shared(x) + routed)
+
+    def _shared(self, x):
+        if not self.stacked:
+            return self.shared_expert(x)
+        gate, up = F.linear(x, self.experts.w13[-1]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.experts.w2[-1])
