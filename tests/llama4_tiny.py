@@ -23,6 +23,15 @@ def tiny_config(**overrides):
         initializer_range=0.1,
     )
     values.update(overrides)
+    rope = values.pop("rope_parameters", None)
+    if rope is not None:  # transformers 5 reads rope_parameters, 4.x rope_scaling + rope_theta
+        import transformers
+
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            values["rope_parameters"] = rope
+        else:
+            values["rope_theta"] = rope.get("rope_theta", 500000.0)
+            values["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return Llama4TextConfig(**values)
 
 

@@ -15,6 +15,11 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+# The H200 image's Triton interpreter cannot run the kernel's data-dependent loop bounds
+# (InterpreterError on range(start, end)); there tests/gpu/test_moe_gpu.py runs the compiled
+# kernel against transformers instead.
+pytestmark = pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                                reason="GPU machine: the compiled kernel is tested in tests/gpu")
 
 SCRIPT = textwrap.dedent("""
     import torch

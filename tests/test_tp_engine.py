@@ -158,9 +158,21 @@ def test_a_killed_rank_fails_the_call_and_ends_every_worker(ckpt_a, victim):
         llm.generate(prompts, max_new_tokens=2)
 
 
-def test_a_rank_that_raises_while_loading(tmp_path):
+def test_a_rank_that_raises_while_loading(tmp_path, monkeypatch):
+    """The checkpoint passes the caller's checks, then vanishes before the ranks read it:
+    each rank's traceback reaches the caller, and no worker is left."""
+    from chunklocal.engine import workers
+
     write_tiny_llama4(tmp_path, seed=0)
-    (next(tmp_path.glob("*.safetensors"))).write_bytes(b"not a safetensors file")
+    real_start = workers.start_workers
+
+    def start_then_remove(*args, **kwargs):
+        started = real_start(*args, **kwargs)
+        for f in tmp_path.glob("*.safetensors"):
+            f.unlink()
+        return started
+
+    monkeypatch.setattr(workers, "start_workers", start_then_remove)
     with pytest.raises(WorkerError, match=r"rank \d raised:\n.*Traceback"):
         chunklocal.LLM(tmp_path, tensor_parallel_size=2, **ACCEPTANCE)
     assert spawned_children() == []
@@ -181,7 +193,7 @@ def test_bad_parallel_arguments_rejected_before_loading(ckpt_a, monkeypatch, kwa
         raise AssertionError("workers started")
 
     monkeypatch.setattr(workers, "Workers", never)
-    monkeypatch.setattr(chunklocal.engine.llm, "load_llama4", never)
+    monkeypatch.setattr(chunklocal.engine.llm, "load_model", never)
     with pytest.raises(ValueError, match=message):
         chunklocal.LLM(ckpt_a, **{**ACCEPTANCE, **kwargs})
 

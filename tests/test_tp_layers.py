@@ -120,8 +120,8 @@ def test_shard_rules_name_every_split_parameter():
         from chunklocal.models.llama4 import Llama4ForCausalLM
 
         tp, ep = groups(2, "tp")[1], groups(2, "ep")[1]
-        rules_tp = shard_rules(Llama4ForCausalLM(config, tp))
-        rules_ep = shard_rules(Llama4ForCausalLM(config, ep))
+        rules_tp = shard_rules(Llama4ForCausalLM(config, tp=tp))
+        rules_ep = shard_rules(Llama4ForCausalLM(config, tp=ep))
     assert rules_tp["model.layers.1.feed_forward.experts.w13"] == ShardRule(1, 2, 1, 2)
     assert rules_tp["model.layers.1.feed_forward.experts.w2"] == ShardRule(2, 2, 1)
     assert rules_ep["model.layers.1.feed_forward.experts.w13"] == ShardRule(0, 2, 1)

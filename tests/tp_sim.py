@@ -77,7 +77,7 @@ def random_full_state(config, seed: int) -> dict[str, torch.Tensor]:
 def rank_model(config, full_state, tp: TPGroup) -> Llama4ForCausalLM:
     """This rank's model, cut from the full weights by the modules' shard rules."""
     with torch.device("meta"):
-        model = Llama4ForCausalLM(config, tp)
+        model = Llama4ForCausalLM(config, tp=tp)
     rules = shard_rules(model)
     state = {n: rules[n].take(n, t) if n in rules else t for n, t in full_state.items()}
     model.load_state_dict(state, strict=True, assign=True)

@@ -20,8 +20,9 @@ from chunklocal.engine.runner_setup import RunnerSetup, build_runner
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.sequence import SamplingParams, Sequence
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
-from chunklocal.models.llama4 import checkpoint_dtype, load_llama4, load_text_config
-from chunklocal.models.llama4_config import layer_kind
+from chunklocal.models.llama4_config import generation_eos, layer_kind, read_config
+from chunklocal.models.loader import LOAD_FORMATS, load_model, plan_load
+from chunklocal.models.parallel import TPGroup
 from chunklocal.models.sharding import check_tensor_parallel, kv_head_split
 
 _CPU_KV_BYTES = 2 << 30  # default KV budget on the CPU when num_kv_blocks is None
@@ -64,7 +65,14 @@ class LLM:
     group that keeps every page.  ``cuda_graphs``: replay decode and verify steps
     as CUDA graphs (FlashInfer only).  ``num_speculative_tokens``: prompt-lookup
     draft length k, verified in one step; greedy output equals k = 0.
-    ``seed``: sampling seed for temperature > 0.
+    ``seed``: sampling seed for temperature > 0, and the seed of ``load_format="dummy"``
+    weights.  ``load_format``: "auto"/"safetensors" read the checkpoint (index-following,
+    FP8 kept FP8: see models/loader.py); "dummy" makes random weights of its config's
+    shapes and dtypes on the device, reading only config.json.
+
+    Everything is checked before any weight loads: config.json (and
+    generation_config.json, whose EOS ids stop generation too), the tensors' names,
+    shapes and dtypes, and whether the KV pool holds one request of max_model_len.
     ``tensor_parallel_size`` N > 1: one worker process per rank (engine/workers.py),
     ranks 0..N-1 on cuda:0..N-1 (or the CPU, over gloo); ``moe_parallel``: "tp"
     splits each expert's inner size, "ep" gives each rank num_local_experts / N
@@ -74,7 +82,7 @@ class LLM:
     def __init__(self, model, *, device="cpu", dtype=None, max_num_seqs=256,
                  max_num_batched_tokens=8192, max_model_len=None, block_size=16,
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
-                 hybrid_kv_cache=True, num_speculative_tokens=0, seed=0,
+                 hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto",
                  tensor_parallel_size=1, moe_parallel="tp"):
         self.workers = None  # before any check: shutdown() and __del__ read it
         self.model_dir = Path(model)
@@ -82,10 +90,12 @@ class LLM:
             raise ValueError(f"model must be a checkpoint directory with config.json and "
                              f"*.safetensors; {str(model)!r} has no config.json")
         dtype = torch_dtype(dtype)
-        config = load_text_config(self.model_dir)
-        self.config = config
-        self.tensor_parallel_size = check_tensor_parallel(config, tensor_parallel_size,
-                                                          moe_parallel)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        ckpt = read_config(self.model_dir)
+        config = self.config = ckpt.text
+        n = self.tensor_parallel_size = check_tensor_parallel(config, tensor_parallel_size,
+                                                              moe_parallel)
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
         elif as_int(max_model_len, "max_model_len") > config.max_position_embeddings:
@@ -122,18 +132,29 @@ class LLM:
             raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got {device}")
         if dtype is None and backend_name == "flashinfer":
             # FlashInfer kernels run in 16-bit; keep a 16-bit checkpoint dtype, else bf16.
-            config_dtype = getattr(config, "dtype", None)
-            config_dtype = getattr(torch, config_dtype, None) if isinstance(
-                config_dtype, str) else config_dtype
-            dtype = config_dtype if config_dtype in (torch.float16, torch.bfloat16) \
+            dtype = ckpt.dtype if ckpt.dtype in (torch.float16, torch.bfloat16) \
                 else torch.bfloat16
+        kv_dtype = dtype or ckpt.dtype or torch.float32
         self.cuda_graphs = self.cuda_graphs and backend_name == "flashinfer"
-        self.model, free_bytes = self._load(dtype, moe_parallel)
-        kv_dtype = self.workers.kv_dtype if self.workers else next(self.model.parameters()).dtype
+        eos = set(ckpt.eos_token_ids)
+        if load_format != "dummy":  # dummy weights: nothing but config.json is read
+            eos.update(generation_eos(self.model_dir))
+        self.eos_ids = frozenset(eos)
+        self.image_token_index = ckpt.image_token_index
+        # headers only, all checked; with N ranks, rank 0's slices (every rank's size)
+        plan = plan_load(self.model_dir, ckpt, load_format, TPGroup(0, n, None, moe_parallel))
         self.layer_kinds = [layer_kind(config, i) for i in range(config.num_hidden_layers)]
         specs = {kind: self._spec(kind, kv_dtype) for kind in set(self.layer_kinds)}
+        free_bytes = None
+        if n > 1:  # the ranks start (and report their free memory) before any weight loads
+            from chunklocal.engine.workers import start_workers
+
+            self.workers = start_workers(n, self.model_dir, self.device, kv_dtype,
+                                         moe_parallel, load_format, seed)
+            free_bytes = self.workers.free_bytes
         groups, kind_to_group = self._make_groups(specs, hybrid_kv_cache, num_kv_blocks,
-                                                  free_bytes)
+                                                  plan.weight_bytes(kv_dtype), free_bytes)
+        self.model = load_model(plan, self.device, kv_dtype, seed) if n == 1 else None
         self.groups = groups
         self.max_virtual_batches = (
             max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
@@ -147,35 +168,17 @@ class LLM:
             tuple((grp.spec, grp.num_blocks) for grp in groups), kind_to_group, backend_name,
             EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                          self.block_size),
-            config.num_attention_heads // self.tensor_parallel_size, kv_dtype,
-            self.num_speculative_tokens, self.cuda_graphs, seed, chunk)
-        if self.workers is None:
+            config.num_attention_heads // n, kv_dtype, self.num_speculative_tokens,
+            self.cuda_graphs, seed, chunk)
+        if n == 1:
             self.runner = build_runner(setup, self.model, self.device, self.block_manager)
-        else:
-            from chunklocal.engine.workers import RemoteRunner
-
-            self.workers.setup(setup)
-            self.runner = RemoteRunner(self.workers, self.block_manager, kind_to_group, chunk)
-        eos = config.eos_token_id
-        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        else:  # every rank loads its slices, builds its backends and captures its graphs
+            self.runner = self.workers.start_runners(setup, self.block_manager)
         self._tokenizer = None
         self._next_id = 0
         self.last_stats: GenerateStats | None = None
 
     # -- construction -------------------------------------------------------------------------
-    def _load(self, dtype, moe_parallel):
-        """(the model, or None when worker processes hold it; free device bytes or None)."""
-        n = self.tensor_parallel_size
-        if n == 1:
-            model = load_llama4(self.model_dir, self.device, dtype)
-            cuda = self.device.type == "cuda"
-            return model, torch.cuda.mem_get_info(self.device)[0] if cuda else None
-        from chunklocal.engine.workers import start_workers
-
-        self.workers = start_workers(n, self.model_dir, self.device, checkpoint_dtype(
-            self.config, dtype), moe_parallel)
-        return None, self.workers.free_bytes
-
     def shutdown(self) -> None:
         """End the tensor-parallel worker processes (idempotent; nothing to do for N = 1)."""
         if getattr(self, "workers", None) is not None:
@@ -198,21 +201,28 @@ class LLM:
             return ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=c.attention_chunk_size)
         return FullAttentionSpec(*geometry)
 
-    def _make_groups(self, specs, hybrid, num_kv_blocks, free_bytes):
+    def _make_groups(self, specs, hybrid, num_kv_blocks, weight_bytes=0, free_bytes=None):
+        """KV groups sized before the weights load: a pool that cannot hold one request
+        of max_model_len is refused with a max_model_len that fits.  Per rank: specs
+        hold a rank's KV heads, weight_bytes its slices, free_bytes its least free memory."""
         layers_of = {kind: self.layer_kinds.count(kind) for kind in specs}
         whole_seq = cdiv(self.max_model_len, self.block_size)
         if num_kv_blocks is None:
-            # Per rank: specs hold this rank's KV heads, free_bytes its (least) free memory.
             per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
             budget = _CPU_KV_BYTES
-            if free_bytes is not None:
-                budget = int(free_bytes * 0.4)
+            if self.device.type == "cuda":
+                free = free_bytes or torch.cuda.mem_get_info(self.device)[0]
+                if weight_bytes > free:
+                    raise ValueError(f"the weights need {weight_bytes / 2**30:.1f} GiB, "
+                                     f"{free / 2**30:.1f} GiB is free on {self.device}")
+                budget = int((free - weight_bytes) * 0.4)
             if whole_seq * per_block > budget:
+                fits = budget // per_block * self.block_size
                 raise ValueError(
                     f"one request of max_model_len {self.max_model_len} needs "
                     f"{whole_seq * per_block / 2**30:.1f} GiB of KV cache, more than the "
-                    f"default budget of {budget / 2**30:.1f} GiB: pass a smaller max_model_len "
-                    "or an explicit num_kv_blocks")
+                    f"default budget of {budget / 2**30:.1f} GiB: pass max_model_len <= "
+                    f"{fits} or an explicit num_kv_blocks")
             num_kv_blocks = min(self.max_num_seqs * whole_seq, budget // per_block)
         num_kv_blocks = int(num_kv_blocks)
         chunk = self.config.attention_chunk_size
@@ -236,7 +246,8 @@ class LLM:
             if size < need:
                 raise ValueError(
                     f"num_kv_blocks={size} for the {name} KV group cannot hold one request: "
-                    f"max_model_len {self.max_model_len} needs {need} blocks of {self.block_size}")
+                    f"max_model_len {self.max_model_len} needs {need} blocks of "
+                    f"{self.block_size}; max_model_len <= {size * self.block_size} fits")
         self.group_names = [name for name, *_ in groups]
         return [KVGroup(spec, size) for _, spec, size, _ in groups], kind_to_group
 
@@ -251,7 +262,7 @@ class LLM:
     def _check_prompts(self, prompts, max_new_tokens, room_for_new_tokens=True):
         return check_prompts(prompts, max_new_tokens, lambda: self.tokenizer,
                              self.config.vocab_size, self.max_model_len,
-                             room_for_new_tokens)
+                             room_for_new_tokens, self.image_token_index)
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  ignore_eos: bool = False, use_tqdm: bool | None = None):

@@ -52,11 +52,14 @@ def check_temperature(temperature) -> None:
 
 
 def check_prompts(prompts, max_new_tokens, get_tokenizer, vocab_size: int, max_model_len: int,
-                  room_for_new_tokens: bool = True):
+                  room_for_new_tokens: bool = True, image_token_index: int | None = None):
     """(token lists, prompts were strings) of valid prompts, or ValueError naming the
     first bad one.  ``get_tokenizer``: a callable returning the tokenizer, called only for
     string prompts.  ``room_for_new_tokens``: the prompt plus ``max_new_tokens`` must
     fit in max_model_len (generate); otherwise only the prompt must (prompt_logits).
+    Images are refused (the text model of a multimodal checkpoint is served): a
+    vLLM-style prompt dict with ``multi_modal_data``, or the ``image_token_index``
+    placeholder whose embedding an image's features would replace.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise ValueError("prompts must be a list of token-id lists or of strings")
@@ -75,6 +78,9 @@ def check_prompts(prompts, max_new_tokens, get_tokenizer, vocab_size: int, max_m
     reserved = max_new_tokens if room_for_new_tokens else 0
     checked = []
     for i, prompt in enumerate(ids):
+        if isinstance(prompt, dict) and ("multi_modal_data" in prompt or "image" in prompt):
+            raise ValueError(f"prompt {i}: image input is not supported (chunklocal serves "
+                             "the text model of Llama-4 checkpoints)")
         if isinstance(prompt, (str, bytes)):
             raise ValueError(f"prompt {i}: mixes strings and token-id lists")
         try:
@@ -90,6 +96,11 @@ def check_prompts(prompts, max_new_tokens, get_tokenizer, vocab_size: int, max_m
         if bad.size:
             raise ValueError(f"prompt {i}: token id {int(arr[bad[0]])} at index "
                              f"{int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+        if image_token_index is not None and (arr == image_token_index).any():
+            at = int(np.flatnonzero(arr == image_token_index)[0])
+            raise ValueError(f"prompt {i}: token id {image_token_index} at index {at} is the "
+                             "image placeholder (image_token_index); image input is not "
+                             "supported (chunklocal serves the text model)")
         if arr.size + reserved > max_model_len:
             raise ValueError(f"prompt {i}: {arr.size} tokens + max_new_tokens {reserved} "
                              f"exceed max_model_len {max_model_len}")

@@ -45,8 +45,10 @@ class WorkerError(RuntimeError):
 class WorkerArgs:
     model_dir: str
     device_type: str    # "cpu" or "cuda" (rank r uses cuda:r)
-    dtype: torch.dtype | None
+    dtype: torch.dtype
     moe_parallel: str
+    load_format: str
+    seed: int           # of load_format="dummy" weights (the same on every rank)
     num_threads: int    # torch CPU threads per worker
     init_file: str      # torch.distributed FileStore rendezvous
 
@@ -71,7 +73,8 @@ def _serve(rank: int, size: int, args: WorkerArgs, conn) -> None:
     import torch.distributed as dist
 
     from chunklocal.engine.runner_setup import build_runner
-    from chunklocal.models.llama4 import load_llama4
+    from chunklocal.models.llama4_config import read_config
+    from chunklocal.models.loader import load_model, plan_load
     from chunklocal.models.parallel import TPGroup
 
     torch.set_num_threads(args.num_threads)
@@ -82,11 +85,12 @@ def _serve(rank: int, size: int, args: WorkerArgs, conn) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{args.init_file}",
                             rank=rank, world_size=size, timeout=timedelta(minutes=10),
                             **({"device_id": device} if cuda else {}))
-    model = load_llama4(args.model_dir, device, args.dtype,
-                        TPGroup(rank, size, None, args.moe_parallel))
-    free = torch.cuda.mem_get_info(device)[0] if cuda else None
-    conn.send(("loaded", next(model.parameters()).dtype, free))
-    runner = build_runner(conn.recv(), model, device)
+    # Free memory before any weight loads: the caller sizes the KV pool from it.
+    conn.send(("started", torch.cuda.mem_get_info(device)[0] if cuda else None))
+    setup = conn.recv()
+    plan = plan_load(args.model_dir, read_config(args.model_dir), args.load_format,
+                     TPGroup(rank, size, None, args.moe_parallel))
+    runner = build_runner(setup, load_model(plan, device, args.dtype, args.seed), device)
     conn.send(("ready", runner.graphs is not None))
     while True:
         payload = conn.recv_bytes()
@@ -121,8 +125,9 @@ def _stop(procs, conns, tmpdir, grace: float) -> None:
 
 
 class Workers:
-    """Ranks 0..size-1 as processes; construction returns once every rank has loaded
-    its weights (``kv_dtype``, ``free_bytes``: the least free device memory)."""
+    """Ranks 0..size-1 as processes; construction returns once every rank has joined
+    the process group (``free_bytes``: the least free device memory, before loading);
+    :meth:`start_runners` then has them load their slices and build their runners."""
 
     def __init__(self, size: int, args: dict):
         ctx = torch.multiprocessing.get_context("spawn")
@@ -142,20 +147,22 @@ class Workers:
             child.close()
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._tmpdir,
                                            STOP_GRACE_S)
-        loaded = self._receive(range(size), "loaded")
-        self.kv_dtype = loaded[0][1]
-        frees = [msg[2] for msg in loaded.values() if msg[2] is not None]
+        started = self._receive(range(size), "started")
+        frees = [msg[1] for msg in started.values() if msg[1] is not None]
         self.free_bytes = min(frees) if frees else None
 
     @property
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
 
-    def setup(self, runner_setup) -> None:
-        """Send every rank the engine's KV groups; return when all have built their runner."""
+    def start_runners(self, runner_setup, block_manager) -> RemoteRunner:
+        """Send every rank the engine's KV groups; once all have loaded their weights and
+        built their runner, the caller's runner that drives them."""
         for conn in self.conns:
             self._send(conn, runner_setup)
         self._receive(range(len(self.procs)), "ready")
+        return RemoteRunner(self, block_manager, runner_setup.kind_to_group,
+                            runner_setup.chunk_size)
 
     def step(self, device_step):
         """Run one step on every rank: (tokens, logits, rank 0's graph steps so far)."""
@@ -241,14 +248,15 @@ class Workers:
                           "stopped, this LLM can not run again")
 
 
-def start_workers(size: int, model_dir, device: torch.device, dtype, moe_parallel) -> Workers:
+def start_workers(size: int, model_dir, device: torch.device, dtype, moe_parallel,
+                  load_format="auto", seed=0) -> Workers:
     """Spawn the ranks of ``LLM(..., tensor_parallel_size=size)``; rank r uses cuda:r."""
     if device.type == "cuda" and (device.index is not None or torch.cuda.device_count() < size):
         raise ValueError(f"tensor_parallel_size {size} runs rank r on cuda:r: pass "
                          f"device='cuda' with at least {size} visible GPUs (got "
                          f"device={str(device)!r}, {torch.cuda.device_count()} GPUs)")
     return Workers(size, dict(model_dir=str(model_dir), device_type=device.type, dtype=dtype,
-                              moe_parallel=moe_parallel,
+                              moe_parallel=moe_parallel, load_format=load_format, seed=seed,
                               num_threads=max(1, torch.get_num_threads() // size)))
 
 

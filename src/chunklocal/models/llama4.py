@@ -14,20 +14,18 @@ models/moe.py), and the dense MLP width ``intermediate_size_mlp`` on non-MoE lay
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from chunklocal.backends.base import AttentionStep, Kind
-from chunklocal.models.llama4_config import (
+from chunklocal.models.llama4_config import (  # noqa: F401  (load_text_config: re-exported)
     activation,
     layer_kind,
     load_text_config,
+    rope_parameters,
     supported_rope_type,
 )
-from chunklocal.models.moe import MoE, hf_expert_tensor
-from chunklocal.models.moe import configure as configure_moe
+from chunklocal.models.moe import MoE
 from chunklocal.models.parallel import (
     SINGLE,
     TPGroup,
@@ -35,7 +33,14 @@ from chunklocal.models.parallel import (
     row_parallel,
     vocab_embedding,
 )
-from chunklocal.models.sharding import kv_head_split, shard_rules
+from chunklocal.models.quant import FP8, NO_FP8, Fp8Linear, Fp8Plan
+from chunklocal.models.sharding import kv_head_split
+
+
+def _maker(fp8: Fp8Plan, name: str):
+    """``make(in, out, bias)`` for the parallel layer helpers: FP8 where ``fp8`` says so."""
+    return lambda in_features, out_features, bias: fp8.linear(name, in_features, out_features,
+                                                              bias)
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,25 +59,28 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``reduce=False``: the output is this rank's partial sum (the MoE layer reduces)."""
+    """Dense MLP; tensor parallel: this rank's slice of the inner size, one all-reduce."""
 
-    def __init__(self, hidden: int, inner: int, act: nn.Module, tp: TPGroup = SINGLE,
-                 reduce: bool = True):
+    def __init__(self, hidden: int, inner: int, act: nn.Module, fp8: Fp8Plan = NO_FP8,
+                 prefix: str = "", tp: TPGroup = SINGLE):
         super().__init__()
-        self.act, self.tp, self.reduce = act, tp, reduce
-        self.gate_proj = column_parallel(hidden, inner, False, tp)
-        self.up_proj = column_parallel(hidden, inner, False, tp)
-        self.down_proj = row_parallel(inner, hidden, False, tp)
+        self.act, self.tp = act, tp
+        self.gate_proj = column_parallel(hidden, inner, False, tp,
+                                         make=_maker(fp8, f"{prefix}.gate_proj"))
+        self.up_proj = column_parallel(hidden, inner, False, tp,
+                                       make=_maker(fp8, f"{prefix}.up_proj"))
+        self.down_proj = row_parallel(inner, hidden, False, tp,
+                                      make=_maker(fp8, f"{prefix}.down_proj"))
 
     def forward(self, x):
-        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        return self.tp.all_reduce(out) if self.reduce else out
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class Attention(nn.Module):
     """This rank's query heads (num_attention_heads / N) and the KV heads they read."""
 
-    def __init__(self, config, layer_idx: int, tp: TPGroup = SINGLE):
+    def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8, prefix: str = "self_attn",
+                 tp: TPGroup = SINGLE):
         super().__init__()
         self.num_heads = config.num_attention_heads // tp.size
         self.num_kv_heads, kv_replicas = kv_head_split(config.num_key_value_heads, tp.size)
@@ -88,10 +96,14 @@ class Attention(nn.Module):
         hidden, hd = config.hidden_size, self.head_dim
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.tp = tp
-        self.q_proj = column_parallel(hidden, heads * hd, bias, tp)
-        self.k_proj = column_parallel(hidden, kv_heads * hd, bias, tp, kv_replicas)
-        self.v_proj = column_parallel(hidden, kv_heads * hd, bias, tp, kv_replicas)
-        self.o_proj = row_parallel(heads * hd, hidden, bias, tp)
+        self.q_proj = column_parallel(hidden, heads * hd, bias, tp,
+                                      make=_maker(fp8, f"{prefix}.q_proj"))
+        self.k_proj = column_parallel(hidden, kv_heads * hd, bias, tp, kv_replicas,
+                                      make=_maker(fp8, f"{prefix}.k_proj"))
+        self.v_proj = column_parallel(hidden, kv_heads * hd, bias, tp, kv_replicas,
+                                      make=_maker(fp8, f"{prefix}.v_proj"))
+        self.o_proj = row_parallel(heads * hd, hidden, bias, tp,
+                                   make=_maker(fp8, f"{prefix}.o_proj"))
         # Paged caches [num_blocks, block_size, Hkv, D], bound by the model runner.
         self.k_cache = self.v_cache = None
 
@@ -124,15 +136,40 @@ def _rotate(x, freqs_cis):
     return torch.view_as_real(pairs * freqs_cis[:, None, :]).flatten(-2).type_as(x)
 
 
+def fp8_moe(moe: MoE, fp8: Fp8Plan, prefix: str) -> MoE:
+    """Make the parts of a MoE layer that ``fp8`` names FP8: the routed experts (float8
+    ``w13``/``w2`` with float32 per-output-channel scale buffers ``[E, N]``, as
+    models/moe.py takes them), the shared expert's and the router's Linear layers."""
+    ex = moe.experts
+    if f"{prefix}.experts" in fp8.modules:
+        for name in ("w13", "w2"):
+            shape = getattr(ex, name).shape
+            setattr(ex, name, nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False))
+            setattr(ex, name + "_scale", torch.empty(shape[:2], dtype=torch.float32))
+        ex.act_scale_ub = fp8.act_scale_ub
+    for owner, names in ((moe.shared_expert, ("gate_proj", "up_proj", "down_proj")),
+                         (moe, ("router",))):
+        for name in names:
+            if f"{prefix}.{'shared_expert.' if owner is not moe else ''}{name}" in fp8.modules:
+                old = getattr(owner, name)
+                new = Fp8Linear(old.in_features, old.out_features, False, fp8.act_scale_ub)
+                if hasattr(old, "shard_rules"):  # a tensor-parallel slice stays one
+                    new.shard_rules = old.shard_rules
+                setattr(owner, name, new)
+    return moe
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, tp: TPGroup = SINGLE):
+    def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8, tp: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, tp)
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = Attention(config, layer_idx, fp8, f"{prefix}.self_attn", tp)
         if layer_idx in config.moe_layers:
-            self.feed_forward = MoE.from_config(config, activation(config), tp=tp)
+            self.feed_forward = fp8_moe(MoE.from_config(config, activation(config), tp=tp), fp8,
+                                        f"{prefix}.feed_forward")
         else:
             self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size_mlp,
-                                         activation(config), tp)
+                                         activation(config), fp8, f"{prefix}.feed_forward", tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -143,24 +180,28 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config, tp: TPGroup = SINGLE):
+    def __init__(self, config, fp8: Fp8Plan = NO_FP8, tp: TPGroup = SINGLE):
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, i, fp8, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Llama4ForCausalLM(nn.Module):
-    """Parameter names equal the checkpoint's, so loading is one strict state-dict load.
-    ``tp``: this rank's tensor-parallel group (its modules hold this rank's slices)."""
+    """Module names follow the text checkpoint's (``model.layers.N...``, ``lm_head``); the
+    routed experts hold (N, K) stacks (``w13``/``w2``, models/moe.py) that models/loader.py
+    assembles from either published expert layout.  ``fp8`` names the modules whose
+    weights are FP8 (models/quant.py).  ``tp``: this rank's tensor-parallel group; its
+    modules then hold this rank's slices (models/parallel.py)."""
 
-    def __init__(self, config, tp: TPGroup = SINGLE):
+    def __init__(self, config, fp8: Fp8Plan = NO_FP8, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = TextModel(config, tp)
-        self.lm_head = column_parallel(config.hidden_size, config.vocab_size, False, tp)
+        self.model = TextModel(config, fp8, tp)
+        self.lm_head = column_parallel(config.hidden_size, config.vocab_size, False, tp,
+                                       make=_maker(fp8, "lm_head"))
         self._inv_freq = None
         self._rope_scaling = 1.0
 
@@ -170,7 +211,7 @@ class Llama4ForCausalLM(nn.Module):
 
     def init_rope(self, device):
         """float32 inverse frequencies on ``device`` (transformers' formulas per rope type)."""
-        params = getattr(self.config, "rope_parameters", None) or {}
+        params = rope_parameters(self.config)
         rope_type = supported_rope_type(self.config)
         if rope_type == "default":
             dim = self.config.head_dim
@@ -193,47 +234,3 @@ class Llama4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden):
         return self.tp.all_gather_last(self.lm_head(hidden))
-
-
-def checkpoint_dtype(config, dtype=None) -> torch.dtype:
-    """``dtype``, or else the config's, or else float32."""
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    return dtype
-
-
-def load_llama4(model_dir, device="cpu", dtype=None, tp: TPGroup = SINGLE) -> Llama4ForCausalLM:
-    """Build the model from ``config.json`` and load every ``*.safetensors`` shard.
-
-    ``tp``: load this rank's slice of each sharded weight (cut as each tensor is read,
-    so at most one full tensor is held beside the slices)."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    config = load_text_config(model_dir)
-    dtype = checkpoint_dtype(config, dtype)
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if not shards:
-        raise ValueError(f"{model_dir}: no *.safetensors files")
-    with torch.device("meta"):
-        model = Llama4ForCausalLM(config, tp)
-    # Tied embeddings: the LM head's slice is the embedding's (same rows of one matrix).
-    rules = shard_rules(model) if tp.size > 1 else {}
-    state = {}
-    for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                # Multimodal checkpoints nest the text model under language_model.
-                name = key[len("language_model."):] if key.startswith("language_model.") else key
-                if not name.startswith(("model.", "lm_head.")):
-                    continue
-                name, tensor = hf_expert_tensor(name, f.get_tensor(key))
-                state[name] = rules[name].take(name, tensor) if name in rules else tensor
-    if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    model = model.to(device=device, dtype=dtype).eval()
-    configure_moe(model)
-    model.init_rope(device)
-    return model

@@ -35,16 +35,20 @@ from chunklocal.models.parallel import SINGLE, ShardRule, TPGroup, column_parall
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
-# How loaded models run their MoE layers (see :func:`configure`); set from
-# benchmarks/moe.py's H200 measurements, off until those exist.
+# How loaded models run their MoE layers (see :func:`configure`), chosen from
+# benchmarks/moe.py on the H200 (BENCHMARKS.md, "MoE layer"): stacking or fusing the shared
+# expert measured no faster, so both stay off; the Triton kernel beats torch._grouped_mm
+# while experts average at most 16 rows each (it reads each touched expert once per N-tile
+# without padding rows up to the grouped GEMM's tile), and loses beyond.
 STACK_SHARED = False    # shared expert into slot E of the stacks (float weights)
 FUSE_MAX_TOKENS = 0     # steps up to this many tokens run it as group E
-TRITON_MAX_PAIRS = 0    # steps up to this many (token, expert) pairs use moe_triton
+TRITON_PAIRS_PER_EXPERT = 16  # steps up to this many (token, expert) pairs per expert
 
 
-def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int):
-    """(expert ids [T, top_k] int64, scores [T, top_k] in x.dtype), as Llama4Router."""
-    logits = F.linear(x, router_weight)
+def route(x: torch.Tensor, router, top_k: int):
+    """(expert ids [T, top_k] int64, scores [T, top_k] in x.dtype), as Llama4Router.
+    ``router``: its weight [E, H], or the router module (an FP8 checkpoint's Fp8Linear)."""
+    logits = router(x) if isinstance(router, nn.Module) else F.linear(x, router)
     top_logit, expert = torch.topk(logits, top_k, dim=1)
     return expert, torch.sigmoid(top_logit.float()).to(x.dtype)
 
@@ -64,7 +68,8 @@ def sort_by_expert(expert: torch.Tensor, num_groups: int):
 
 
 def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
-              w_scale: torch.Tensor | None = None, small_m: bool = False) -> torch.Tensor:
+              w_scale: torch.Tensor | None = None, small_m: bool = False,
+              act_scale_ub: float | None = None) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e].T`` (``w [E, N, K]``) -> [M, N].
 
     float8 weights with per-output-channel ``w_scale [E, N]`` go to
@@ -80,7 +85,10 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
             raise ValueError(f"float8 expert weights {tuple(w.shape)} need a weight scale")
         from chunklocal.models.quant import fp8_grouped_mm
 
-        return fp8_grouped_mm(x, w, w_scale, offs)
+        # act_scale_ub: fbgemm_fp8's cap on a token's activation amax (models/quant.py)
+        if act_scale_ub is None:
+            return fp8_grouped_mm(x, w, w_scale, offs)
+        return fp8_grouped_mm(x, w, w_scale, offs, act_scale_ub=act_scale_ub)
     if w_scale is not None:
         raise ValueError(f"a weight scale was given for {w.dtype} expert weights")
     if small_m:
@@ -151,8 +159,8 @@ def configure(model: nn.Module, stack_shared: bool | None = None,
         if STACK_SHARED if stack_shared is None else stack_shared:
             layer.stack_shared()
         layer.fuse_max_tokens = FUSE_MAX_TOKENS if fuse_max_tokens is None else fuse_max_tokens
-        layer.triton_max_pairs = (TRITON_MAX_PAIRS if triton_max_pairs is None
-                                  else triton_max_pairs)
+        layer.triton_max_pairs = (TRITON_PAIRS_PER_EXPERT * layer.num_experts
+                                  if triton_max_pairs is None else triton_max_pairs)
     return len(layers)
 
 
@@ -245,7 +253,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens, hidden = x.shape
-        expert, score = route(x, self.router.weight, self.top_k)
+        expert, score = route(x, self.router, self.top_k)
         ex, num_groups = self.experts, self.num_local
         elsewhere = None
         if num_groups != self.num_experts:  # "ep": other ranks' experts sort past the end
@@ -263,8 +271,9 @@ class MoE(nn.Module):
         rows = x[token] * score.reshape(-1, 1)[order]  # Llama-4 scales the input
         w13, w2 = ex.w13[:num_groups], ex.w2[:num_groups]
         small = rows.shape[0] <= self.triton_max_pairs
-        gate, up = expert_mm(rows, w13, offs, ex.w13_scale, small).chunk(2, dim=-1)
-        rows = expert_mm(self.act(gate) * up, w2, offs, ex.w2_scale, small)
+        ub = getattr(ex, "act_scale_ub", None)
+        gate, up = expert_mm(rows, w13, offs, ex.w13_scale, small, ub).chunk(2, dim=-1)
+        rows = expert_mm(self.act(gate) * up, w2, offs, ex.w2_scale, small, ub)
         per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
         if elsewhere is not None:  # rows past the last group are unspecified: drop them
             per_slot = per_slot.masked_fill(elsewhere.reshape(-1, 1), 0)

@@ -65,3 +65,43 @@ def shard_rules(model: nn.Module) -> dict[str, ShardRule]:
         for name, rule in getattr(module, "shard_rules", {}).items():
             rules[f"{prefix}.{name}" if prefix else name] = rule
     return rules
+
+
+def local_pieces(rule, full_shape, index=()):
+    """Where a piece of a full tensor lands in this rank's slice.
+
+    The piece is ``full[index]`` (``index``: ints and slices over the leading dims, as a
+    loader route gives it); returns ``[(piece_selection, local_selection)]``: copy
+    ``piece[piece_selection]`` into ``local[local_selection]`` for each pair (none when
+    the piece holds nothing of this rank's slice).  ``rule``: a ShardRule, or None
+    (replicated: the piece lands whole, at ``index``).
+    """
+    entries = list(index) + [slice(None)] * (len(full_shape) - len(index))
+    piece_dims = sum(not isinstance(e, int) for e in entries)
+    whole = tuple([slice(None)] * piece_dims)
+    if rule is None or rule.num_shards == 1:
+        return [(whole, tuple(entries))]
+    d = rule.dim
+    block = full_shape[d] // rule.parts
+    step = block // rule.num_shards
+    # this rank's runs of the full dimension: (full start, full end, local start)
+    runs = [(p * block + rule.index * step, p * block + (rule.index + 1) * step, p * step)
+            for p in range(rule.parts)]
+    e, out = entries[d], []
+    if isinstance(e, int):
+        for a, b, local in runs:
+            if a <= e < b:
+                out.append((whole, tuple(entries[:d] + [local + e - a] + entries[d + 1:])))
+        return out
+    start, stop, stride = e.indices(full_shape[d])
+    if stride != 1:
+        raise ValueError(f"a strided piece {e} of a sharded tensor")
+    piece_dim = sum(not isinstance(x, int) for x in entries[:d])
+    for a, b, local in runs:
+        lo, hi = max(a, start), min(b, stop)
+        if lo < hi:
+            src = list(whole)
+            src[piece_dim] = slice(lo - start, hi - start)
+            dst = entries[:d] + [slice(local + lo - a, local + hi - a)] + entries[d + 1:]
+            out.append((tuple(src), tuple(dst)))
+    return out

@@ -1,0 +1,124 @@
+"""FP8 (e4m3) weights with dynamic per-token activation scales: the math of both published
+Llama-4 FP8 layouts (fbgemm_fp8 and compressed-tensors FP8-dynamic).
+
+A weight ``w [N, K]`` is stored as float8_e4m3fn with one float32 scale per output
+channel, ``w_scale [N]``: the real weight is ``w * w_scale[:, None]``.  Activations are
+quantized at run time, one scale per token (row): ``scale = max(|x|) / 448`` (the amax
+clamped to ``[1e-12, scale_ub]``), ``x_fp8 = clamp(x / scale, -448, 448)``.  The product
+is ``(x_fp8 * scale) @ (w * w_scale).T``.
+
+On CUDA the FP8 operands go to the FP8 tensor cores (``torch._scaled_mm`` with row-wise
+scales, ``torch._scaled_grouped_mm`` for experts); elsewhere the same fake-quantized math
+runs in float32 on dequantized weights, which is also the oracle the GPU path is tested
+against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0          # largest finite e4m3fn value
+AMAX_FLOOR = 1e-12       # an all-zero row quantizes to zeros instead of dividing by zero
+
+
+def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None):
+    """x [M, K] -> (x_fp8 [M, K] float8_e4m3fn, scale [M, 1] float32), ``x ~ x_fp8 * scale``.
+
+    ``scale_ub`` (fbgemm's ``activation_scale_ub``) caps a row's amax: larger values
+    saturate at +-448 instead of coarsening the whole row.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    if scale_ub is not None:
+        amax = amax.clamp(max=float(scale_ub))
+    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    x_fp8 = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x_fp8, scale
+
+
+def dequantize(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """float32 weight of an FP8 weight ``[..., N, K]`` with per-channel scales ``[..., N]``."""
+    return w.float() * w_scale.float().unsqueeze(-1)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
+               act_scale_ub: float | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T with per-token activation and per-channel weight scales -> [M, N]
+    in ``x.dtype``.  CUDA: ``torch._scaled_mm`` (FP8 tensor cores, bf16 out); CPU: float32
+    on dequantized weights and fake-quantized activations."""
+    out_shape = (x.shape[0], w.shape[0])
+    if x.shape[0] == 0:
+        return x.new_zeros(out_shape)
+    x_fp8, scale = quantize_per_token(x, act_scale_ub)
+    if x.is_cuda:
+        # b must be column-major: w [N, K] row-major transposed is exactly that.
+        out = torch._scaled_mm(x_fp8, w.t(), scale_a=scale, scale_b=w_scale.float().view(1, -1),
+                               out_dtype=torch.bfloat16)
+    else:
+        out = (x_fp8.float() * scale) @ dequantize(w, w_scale).t()
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype)
+
+
+def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
+                   *, act_scale_ub: float | None = None) -> torch.Tensor:
+    """Rows of x [M, K] sorted by expert; expert e owns rows ``offs[e-1]:offs[e]`` (int32
+    cumulative end offsets, ``offs[-1] <= M``) and multiplies them by w[e] [N, K] (FP8,
+    scales ``w_scale [E, N]``).  Returns [M, N] in ``x.dtype``; rows past ``offs[-1]`` are
+    unspecified on CUDA and zero elsewhere."""
+    x_fp8, scale = quantize_per_token(x, act_scale_ub)
+    if x.is_cuda:
+        out = torch._scaled_grouped_mm(x_fp8, w.transpose(-2, -1), scale.view(-1),
+                                       w_scale.float(), offs=offs, out_dtype=torch.bfloat16)
+        return out.to(x.dtype)
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32)
+    x_deq = x_fp8.float() * scale
+    start = 0
+    for e, end in enumerate(offs.tolist()):  # CPU only: the offsets already live on the host
+        if end > start:
+            out[start:end] = x_deq[start:end] @ dequantize(w[e], w_scale[e]).t()
+        start = end
+    return out.to(x.dtype)
+
+
+class Fp8Linear(nn.Module):
+    """``nn.Linear`` with an FP8 weight [out, in] and float32 per-output-channel scales."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 act_scale_ub: float | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.act_scale_ub = act_scale_ub
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32),
+                                         requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x):
+        flat = x.reshape(-1, self.in_features)
+        out = fp8_linear(flat, self.weight, self.weight_scale, self.bias,
+                         act_scale_ub=self.act_scale_ub)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+@dataclass(frozen=True)
+class Fp8Plan:
+    """Which modules of a model hold FP8 weights (by module name, e.g.
+    ``model.layers.3.self_attn.q_proj`` or ``model.layers.1.feed_forward.experts``)."""
+
+    modules: frozenset = frozenset()
+    act_scale_ub: float | None = None
+
+    def linear(self, name: str, in_features: int, out_features: int, bias: bool = False):
+        if name in self.modules:
+            return Fp8Linear(in_features, out_features, bias, self.act_scale_ub)
+        return nn.Linear(in_features, out_features, bias=bias)
+
+
+NO_FP8 = Fp8Plan()
