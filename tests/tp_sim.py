@@ -51,6 +51,15 @@ class SimTP(TPGroup):
             total += part
         return x.copy_(total)
 
+    def all_reduce_max(self, x):
+        if self.size == 1:
+            return x
+        parts = self._share(x)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total = torch.maximum(total, part)
+        return x.copy_(total)
+
     def all_gather_last(self, x):
         return x if self.size == 1 else torch.cat(self._share(x), dim=-1)
 

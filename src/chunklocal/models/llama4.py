@@ -155,6 +155,7 @@ def fp8_moe(moe: MoE, fp8: Fp8Plan, prefix: str) -> MoE:
                 new = Fp8Linear(old.in_features, old.out_features, False, fp8.act_scale_ub)
                 if hasattr(old, "shard_rules"):  # a tensor-parallel slice stays one
                     new.shard_rules = old.shard_rules
+                    new.amax_reduce = moe.tp.all_reduce_max if name == "down_proj" else None
                 setattr(owner, name, new)
     return moe
 

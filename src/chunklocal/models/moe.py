@@ -69,7 +69,7 @@ def sort_by_expert(expert: torch.Tensor, num_groups: int):
 
 def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
               w_scale: torch.Tensor | None = None, small_m: bool = False,
-              act_scale_ub: float | None = None) -> torch.Tensor:
+              act_scale_ub: float | None = None, amax_reduce=None) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e].T`` (``w [E, N, K]``) -> [M, N].
 
     float8 weights with per-output-channel ``w_scale [E, N]`` go to
@@ -85,10 +85,12 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
             raise ValueError(f"float8 expert weights {tuple(w.shape)} need a weight scale")
         from chunklocal.models.quant import fp8_grouped_mm
 
-        # act_scale_ub: fbgemm_fp8's cap on a token's activation amax (models/quant.py)
-        if act_scale_ub is None:
+        # act_scale_ub: fbgemm_fp8's cap on a token's activation amax (models/quant.py);
+        # amax_reduce: tensor parallel, rows hold one rank's slice of the inner size
+        if act_scale_ub is None and amax_reduce is None:
             return fp8_grouped_mm(x, w, w_scale, offs)
-        return fp8_grouped_mm(x, w, w_scale, offs, act_scale_ub=act_scale_ub)
+        return fp8_grouped_mm(x, w, w_scale, offs, act_scale_ub=act_scale_ub,
+                              amax_reduce=amax_reduce)
     if w_scale is not None:
         raise ValueError(f"a weight scale was given for {w.dtype} expert weights")
     if small_m:
@@ -273,7 +275,10 @@ class MoE(nn.Module):
         small = rows.shape[0] <= self.triton_max_pairs
         ub = getattr(ex, "act_scale_ub", None)
         gate, up = expert_mm(rows, w13, offs, ex.w13_scale, small, ub).chunk(2, dim=-1)
-        rows = expert_mm(self.act(gate) * up, w2, offs, ex.w2_scale, small, ub)
+        # "tp": each rank holds a slice of every pair's w2 input (routing is the same on
+        # every rank, so row i is the same pair everywhere): FP8 scales it by its full amax
+        split = self.tp.all_reduce_max if self.tp.size > 1 and elsewhere is None else None
+        rows = expert_mm(self.act(gate) * up, w2, offs, ex.w2_scale, small, ub, split)
         per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
         if elsewhere is not None:  # rows past the last group are unspecified: drop them
             per_slot = per_slot.masked_fill(elsewhere.reshape(-1, 1), 0)

@@ -55,6 +55,12 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of ``x`` over the ranks (FP8 activation amax of a split row)."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension, in rank order."""
         if self.size == 1:
@@ -135,6 +141,8 @@ def row_parallel(in_features: int, out_features: int, bias: bool, tp: TPGroup = 
     if tp.size > 1:
         layer.shard_rules = {"weight": ShardRule(1, tp.size, tp.rank),
                              "bias": FirstRankOnly(tp.rank)}
+        if hasattr(layer, "amax_reduce"):  # FP8: scale each token by its whole row's amax
+            layer.amax_reduce = tp.all_reduce_max
     return layer
 
 
