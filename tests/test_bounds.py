@@ -351,3 +351,10 @@ def test_huge_limits_are_exact_python_ints(n_max, tokens, chunk, model_len, bloc
 def test_buffer_sizes_rejects_what_is_not_a_spec_or_chunk(spec_or_chunk):
     with pytest.raises(ValueError, match=r"spec_or_chunk must be a KV spec.*got"):
         bounds.buffer_sizes(spec_or_chunk, EngineLimits(2, 100, 64, 4))
+
+
+def test_max_group_pages_flag_takes_only_booleans():
+    with pytest.raises(ValueError, match="has_global_layers must be True or False, got 'no'"):
+        bounds.max_group_pages(4, 64, 16, 256, 4, has_global_layers="no")
+    assert bounds.max_group_pages(4, 64, 16, 256, 4, has_global_layers=np.bool_(False)) == \
+        bounds.max_local_pages(4, 64, 16, 256, 4)

@@ -331,14 +331,14 @@ def test_default_max_model_len_is_max_position_embeddings_and_must_fit(published
     that cannot hold one such request is refused before loading, with a length that fits;
     that length then loads and serves."""
     edit_config(published, max_position_embeddings=10485760)
-    monkeypatch.setattr(llm_module, "_CPU_KV_BYTES", 64 << 20)
+    monkeypatch.setattr(llm_module, "available_memory", lambda device: 160 << 20)
     with monkeypatch.context() as m:
         m.setattr(llm_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
         with pytest.raises(ValueError, match=r"one request of max_model_len 10485760 needs "
                            r"10.0 GiB of KV cache, .* pass max_model_len <= (\d+)") as err:
             chunklocal.LLM(published)
     fits = int(err.value.args[0].rsplit("<= ", 1)[1].split()[0])
-    assert fits == (64 << 20) // (4 * 2 * 2 * 16 * 4 * 16) * 16  # pages of 16 tokens, 4 layers
+    assert 0 < fits < (64 << 20) // (4 * 2 * 2 * 16 * 4 * 16) * 16  # 40% of 160 MiB, less weights
     llm = chunklocal.LLM(published, max_model_len=fits, max_num_seqs=1)
     assert llm.max_model_len == fits
     with pytest.raises(ValueError, match="one request of max_model_len"):
@@ -346,8 +346,8 @@ def test_default_max_model_len_is_max_position_embeddings_and_must_fit(published
 
 
 def test_explicit_pool_too_small_suggests_a_length(published):
-    with pytest.raises(ValueError, match=r"num_kv_blocks=20 for the global KV group cannot "
-                       r"hold one request: max_model_len 256 needs 64 blocks of 4; "
+    with pytest.raises(ValueError, match=r"num_kv_blocks=20 cannot hold one request: the global "
+                       r"KV group needs 64 blocks of 4 tokens .*num_kv_blocks >= 64, or "
                        r"max_model_len <= 80 fits"):
         engine(published, num_kv_blocks=20)
     assert engine(published, num_kv_blocks=20, max_model_len=80).max_model_len == 80

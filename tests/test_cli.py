@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from functools import partial
 
@@ -101,7 +102,10 @@ def test_demo_stage1_on_the_reporters_scenario(capsys):
                        result["virtual_batches"]["ours"])
     out = capsys.readouterr().out
     assert "-> 5 virtual batches" in out
-    assert "ValueError: provided out is the wrong size for the accumulation" in out
+    assert ("expected failure (the bug of vLLM issue 49980): max_num_seqs-sized "
+            "paged_kv_indptr (2 entries) for 5 virtual batches -> ValueError: provided out is "
+            "the wrong size for the accumulation") in out
+    assert "published bound: what vLLM PR 50022 allocates" in out
     assert "our paged_kv_indptr (6 entries): [0, 512, 1024, 1536, 2048, 2250]" in out
     assert "(OK, tolerance 1e-05)" in out
 
@@ -253,6 +257,8 @@ def test_demo_passes_valid_arguments_through(monkeypatch, tmp_path):
     (["--chunks", "4-2"], "argument --chunks: bad range '4-2'"),
     (["--lens", "x"], "argument --lens: cannot read 'x'"),
     (["--plot", "/nonexistent-dir/bounds.png"], "argument --plot: folder of"),
+    (["--chunks", ""], "argument --chunks: empty: want '1-16' or '1,2,4'"),
+    (["--plot", "x.txt"], "argument --plot: 'x.txt' is not an image format matplotlib writes"),
 ])
 def test_verify_bounds_rejects_bad_arguments_before_the_sweep(monkeypatch, capsys, args,
                                                               message):
@@ -289,3 +295,47 @@ def test_plan_prints_what_the_backend_allocates_with_graph_room(capsys):
         assert buffers.gpu[name].shape[0] == rows[name]["ours"], name
     out = run_cli(capsys, "plan", *args)[1]
     assert "CUDA graphs: batch sizes 1, 2, 4, 8, query lengths 1, 4" in out
+
+
+def test_version(capsys):
+    from chunklocal import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"chunklocal {__version__}"
+
+
+@pytest.mark.parametrize("model_config, argv, limit", [
+    (None, ["--prompt-len", "65505"], 65536),                      # 65505 + 32 new tokens
+    ({"max_position_embeddings": 4096}, ["--prompt-len", "4000", "--new-tokens", "97"], 4096),
+    ({"text_config": {"max_position_embeddings": 512}}, ["--prompt-len", "512"], 512),
+])
+def test_demo_rejects_a_prompt_past_the_models_maximum(no_demo_work, capsys, tmp_path,
+                                                        model_config, argv, limit):
+    if model_config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(model_config))
+        argv = ["--model", str(tmp_path), *argv]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", *argv])
+    assert exc.value.code == 2
+    assert f"exceed the model's max_position_embeddings {limit}" in capsys.readouterr().err
+
+
+def test_demo_prompt_at_the_models_maximum_is_accepted(monkeypatch, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    monkeypatch.setattr(demo, "main", lambda args: 0)
+    assert cli.main(["demo", "--model", str(tmp_path), "--prompt-len", "4064"]) == 0
+
+
+@pytest.mark.parametrize("engine_ok", [True, False])
+def test_demo_ends_with_one_pass_or_fail_line(monkeypatch, capsys, engine_ok):
+    scenario = small_scenario()
+    monkeypatch.setattr(demo, "reporter_scenario", lambda **kwargs: scenario)
+    monkeypatch.setattr(demo, "run_engine_demo", lambda *args, **kwargs: engine_ok)
+    args = argparse.Namespace(num_q_heads=4, num_kv_heads=1, head_dim=16, seed=0, model=None,
+                              device="cpu", prompt_len=10, new_tokens=2,
+                              check_transformers=None)
+    assert demo.main(args) == (0 if engine_ok else 1)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("PASS: " if engine_ok else "FAIL: engine runs")

@@ -13,7 +13,8 @@ from chunklocal.cli import demo_model
 
 def test_engine_demo_runs_and_checks(capsys):
     assert demo_model.run_engine_demo(prompt_len=9000, new_tokens=4)
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "Writing model shards" not in err and "Loading" not in err  # bars kept quiet
     assert "per step: (9000 tok, 2 vb), 3x(1 tok, 1 vb)" in out
     assert "per step: (8192 tok, 1 vb), (808 tok, 1 vb), 3x(1 tok, 1 vb)" in out
     assert "same 4 new tokens in both runs: yes" in out
@@ -31,3 +32,12 @@ def test_logits_check_rejects_wrong_logits():
     flipped[1] += 2e-5  # error 4e-6 relative, but a different argmax
     err, same_top, ok = demo_model.compare_logits(flipped, ref, torch.float32)
     assert err < 1e-5 and not same_top and not ok
+
+
+def test_quiet_transformers_restores_the_progress_bars():
+    from transformers.utils import logging
+
+    assert logging.is_progress_bar_enabled()
+    with demo_model.quiet_transformers():
+        assert not logging.is_progress_bar_enabled()
+    assert logging.is_progress_bar_enabled()

@@ -332,3 +332,8 @@ def test_page_ids_past_int32_are_refused_not_wrapped(dtype, value):
     # Only pages a real slot reads count: padding slots and unread columns may hold anything.
     step = buffers.write_host([1, 1], [2, 2], [0, 0], [-1, 1], table, scratch_page=9)
     assert step.paged_kv_indices.tolist() == [9, 6]
+
+
+def test_cuda_graphs_flag_takes_only_booleans():
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False, got 'no'"):
+        MetadataBuffers(Capacity(1, 1), BS, cuda_graphs="no")

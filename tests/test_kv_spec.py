@@ -127,3 +127,12 @@ def test_sliding_window_accepts_none_and_integers():
     assert FullAttentionSpec(16, 1, 8, torch.float32, sliding_window=512).sliding_window == 512
     assert FullAttentionSpec(16, 1, 8, torch.float32,
                              sliding_window=np.int64(7)).sliding_window == 7
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_has_global_layers_takes_only_booleans(value):
+    with pytest.raises(ValueError, match=rf"has_global_layers must be True or False, got "
+                                         rf"{value!r}"):
+        FullAttentionSpec(**GEOMETRY, attention_chunk_size=64, has_global_layers=value)
+    assert not FullAttentionSpec(**GEOMETRY, attention_chunk_size=64,
+                                 has_global_layers=np.bool_(False)).has_global_layers

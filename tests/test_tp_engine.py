@@ -184,21 +184,28 @@ def test_a_rank_that_raises_while_loading(tmp_path, monkeypatch):
     (dict(tensor_parallel_size=2, moe_parallel="experts"), "moe_parallel must be 'tp' or 'ep'"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
     (dict(tensor_parallel_size=2.0), "tensor_parallel_size"),
-    (dict(tensor_parallel_size=2, device="cuda:1"), "pass device='cuda'"),
 ])
 def test_bad_parallel_arguments_rejected_before_loading(ckpt_a, monkeypatch, kwargs, message):
+    from chunklocal.engine import llm as llm_module
     from chunklocal.engine import workers
 
     def never(*args, **kw):
         raise AssertionError("workers started")
 
     monkeypatch.setattr(workers, "Workers", never)
-    monkeypatch.setattr(chunklocal.engine.llm, "load_model", never)
+    monkeypatch.setattr(llm_module, "load_model", never)
     with pytest.raises(ValueError, match=message):
         chunklocal.LLM(ckpt_a, **{**ACCEPTANCE, **kwargs})
 
 
-def test_more_ranks_than_gpus(ckpt_a, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ValueError, match="at least 2 visible GPUs"):
-        chunklocal.LLM(ckpt_a, tensor_parallel_size=2, device="cuda", max_model_len=128)
+@pytest.mark.parametrize("device, gpus, message", [
+    ("cuda", 1, "at least 2 visible GPUs"), ("cuda:1", 2, "pass device='cuda'")])
+def test_ranks_need_one_gpu_each(ckpt_a, monkeypatch, device, gpus, message):
+    """Checked before any rank starts (the GPUs are faked: this machine may have none)."""
+    from chunklocal.engine import workers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(workers, "Workers", None)  # calling it would fail the test
+    with pytest.raises(ValueError, match=message):
+        chunklocal.LLM(ckpt_a, tensor_parallel_size=2, device=device, max_model_len=128)

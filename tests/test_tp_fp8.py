@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama4_published import MAVERICK, SCOUT, compressed_tensors_fp8, fbgemm_fp8, hf_model
-from llama4_published import write_published
+from llama4_published import (
+    MAVERICK,
+    SCOUT,
+    compressed_tensors_fp8,
+    fbgemm_fp8,
+    hf_model,
+    write_published,
+)
 from test_tp_engine import compare, worker_pids_alive
 
 import chunklocal

@@ -50,6 +50,13 @@ def as_int(value, name: str) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
+def as_bool(value, name: str) -> bool:
+    """True or False (numpy's too); anything else, even a truthy 'no' or 1, is a mistake."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_chunk_geometry(chunk_size: int, block_size: int) -> None:
     """A chunk must be a positive whole number of pages."""
     if as_int(block_size, "block_size") <= 0:

@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from chunklocal._validate import as_int
+from chunklocal._validate import as_bool, as_int
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +54,7 @@ class FullAttentionSpec:
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"{type(self).__name__}.dtype must be a torch.dtype, "
                              f"got {self.dtype!r}")
+        as_bool(self.has_global_layers, f"{type(self).__name__}.has_global_layers")
         window = self.sliding_window
         if window is not None and as_int(window, f"{type(self).__name__}.sliding_window") <= 0:
             raise ValueError(f"sliding_window must be positive, got {window}")

@@ -33,7 +33,7 @@ from numbers import Integral
 
 import numpy as np
 
-from chunklocal._validate import cdiv, check_chunk_geometry
+from chunklocal._validate import as_bool, cdiv, check_chunk_geometry
 
 
 def _positive(name: str, value) -> int:
@@ -166,6 +166,7 @@ def max_group_pages(max_num_seqs: int, max_num_batched_tokens: int, chunk_size: 
     Each request's local pages are cdiv(o + q, bs) <= cdiv(s, bs), so with
     global layers present the global need is the maximum.
     """
+    has_global_layers = as_bool(has_global_layers, "has_global_layers")
     local = max_local_pages(max_num_seqs, max_num_batched_tokens, chunk_size, max_model_len,
                             block_size)
     if chunk_size is None or not has_global_layers:

@@ -162,6 +162,8 @@ def _merge(total, part):
 
 def parse_int_list(text: str) -> list[int]:
     """'1-16' or '1,2,4,8' or a mix ('1-4,8,16') -> sorted distinct positive ints."""
+    if not text.strip():
+        raise ValueError("empty: want '1-16' or '1,2,4'")
     values = set()
     for part in text.split(","):
         lo, _, hi = part.strip().partition("-")
@@ -280,12 +282,22 @@ def check_arguments(parser, args) -> None:
     """Bad lists and an unwritable --plot stop the command before the sweep (exit 2)."""
     for flag, text in (("--chunks", args.chunks), ("--lens", args.lens)):
         try:
-            if text:
+            if text or flag == "--chunks":  # no extra lengths is fine, no chunk sizes is not
                 parse_int_list(text)
         except ValueError as err:
             parser.error(f"argument {flag}: {err}")
-    if args.plot and not Path(args.plot).resolve().parent.is_dir():
-        parser.error(f"argument --plot: folder of {args.plot!r} does not exist")
+    if args.plot:
+        if not Path(args.plot).resolve().parent.is_dir():
+            parser.error(f"argument --plot: folder of {args.plot!r} does not exist")
+        try:
+            from matplotlib.figure import Figure
+        except ImportError:
+            parser.error('argument --plot: needs matplotlib (pip install "chunklocal[plot]")')
+        formats = Figure().canvas.get_supported_filetypes()
+        suffix = Path(args.plot).suffix.lower().lstrip(".")
+        if suffix not in formats:
+            parser.error(f"argument --plot: {args.plot!r} is not an image format matplotlib "
+                         f"writes (use one of .{', .'.join(sorted(formats))})")
 
 
 def main(args) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from chunklocal import __version__
 from chunklocal.bounds import verify as verify_bounds
 from chunklocal.cli import demo, plan
 
@@ -20,6 +21,7 @@ COMMANDS = {
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="chunklocal", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"chunklocal {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     subparsers = {}
     for name, (module, help_text) in COMMANDS.items():

@@ -13,9 +13,11 @@ transformers (its own model and cache, fed the prompt in pieces).
 from __future__ import annotations
 
 import inspect
+import json
 import random
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,6 +26,31 @@ from chunklocal.bounds import max_virtual_batches
 from chunklocal.models.llama4_config import require_hf
 
 LOGITS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+RANDOM_MODEL_POSITIONS = 65536  # max_position_embeddings of the random demo model
+HF_DEFAULT_POSITIONS = 4096 * 32  # Llama4TextConfig's default when config.json has none
+
+
+def max_positions(model_dir) -> int:
+    """The longest sequence the demo's model takes (its max_position_embeddings)."""
+    if model_dir is None:
+        return RANDOM_MODEL_POSITIONS
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config") or config
+    return int(config.get("max_position_embeddings") or HF_DEFAULT_POSITIONS)
+
+
+@contextmanager
+def quiet_transformers():
+    """transformers' progress bars off (writing and loading shards), restored afterwards."""
+    from transformers.utils import logging
+
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
 
 
 def write_random_llama4(path, seed: int = 0, num_layers: int = 4, full_heads=False) -> None:
@@ -37,8 +64,8 @@ def write_random_llama4(path, seed: int = 0, num_layers: int = 4, full_heads=Fal
     config = Llama4TextConfig(
         vocab_size=1024, intermediate_size=64, intermediate_size_mlp=128, **heads,
         num_hidden_layers=num_layers, attention_chunk_size=8192, num_local_experts=4,
-        num_experts_per_tok=1,
-        interleave_moe_layer_step=2, max_position_embeddings=65536, initializer_range=0.1,
+        num_experts_per_tok=1, interleave_moe_layer_step=2,
+        max_position_embeddings=RANDOM_MODEL_POSITIONS, initializer_range=0.1,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
     Llama4ForCausalLM(config).save_pretrained(str(path))
@@ -95,7 +122,8 @@ def run_engine_demo(model_dir=None, device="cpu", prompt_len=36000, new_tokens=3
                     seed=0, num_layers=4, check_transformers=None) -> bool:
     import chunklocal
 
-    with tempfile.TemporaryDirectory() as tmp:
+    require_hf()
+    with tempfile.TemporaryDirectory() as tmp, quiet_transformers():
         if model_dir is None:
             model_dir = Path(tmp) / "random-llama4"
             write_random_llama4(model_dir, seed, num_layers, full_heads=device == "cuda")

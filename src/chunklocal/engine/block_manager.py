@@ -21,14 +21,31 @@ block table is one fancy-index gather instead of a loop over requests.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from chunklocal._validate import cdiv
 from chunklocal.engine.sequence import Sequence
 from chunklocal.kv_spec import chunk_size_of, needs_global_pages
+
+
+def available_memory(device) -> int:
+    """Bytes the KV cache could take: free GPU memory, or the RAM Linux reports available
+    (MemAvailable; total RAM where /proc/meminfo is absent)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass

@@ -11,21 +11,28 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from chunklocal._validate import as_int, cdiv, check_chunk_geometry
+from chunklocal._validate import as_bool, as_int, cdiv, check_chunk_geometry
 from chunklocal.backends.base import EngineLimits, Kind
 from chunklocal.bounds.closed_forms import max_virtual_batches
-from chunklocal.engine.block_manager import BlockManager, KVGroup
-from chunklocal.engine.requests import check_prompts, check_temperature, load_tokenizer, torch_dtype
+from chunklocal.engine.block_manager import BlockManager, KVGroup, available_memory
+from chunklocal.engine.requests import (
+    check_device,
+    check_prompts,
+    check_temperature,
+    load_tokenizer,
+    torch_dtype,
+)
 from chunklocal.engine.runner_setup import RunnerSetup, build_runner
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.sequence import SamplingParams, Sequence
+from chunklocal.engine.workers import OwnsWorkers, start_workers
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 from chunklocal.models.llama4_config import generation_eos, layer_kind, read_config
 from chunklocal.models.loader import LOAD_FORMATS, load_model, plan_load
 from chunklocal.models.parallel import TPGroup
 from chunklocal.models.sharding import check_tensor_parallel, kv_head_split
 
-_CPU_KV_BYTES = 2 << 30  # default KV budget on the CPU when num_kv_blocks is None
+KV_MEMORY_FRACTION = 0.4  # of free GPU memory / available RAM, when num_kv_blocks is None
 
 
 @dataclass
@@ -51,7 +58,7 @@ class GenerateStats:
                 f"{self.draft_tokens}, peak KV blocks {self.peak_blocks}")
 
 
-class LLM:
+class LLM(OwnsWorkers):
     """Serve a Llama-4 checkpoint directory (``config.json`` + ``*.safetensors``).
 
     ``device``: "cpu" (PyTorch reference attention) or "cuda" (FlashInfer by
@@ -84,7 +91,6 @@ class LLM:
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto",
                  tensor_parallel_size=1, moe_parallel="tp"):
-        self.workers = None  # before any check: shutdown() and __del__ read it
         self.model_dir = Path(model)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model must be a checkpoint directory with config.json and "
@@ -92,6 +98,9 @@ class LLM:
         dtype = torch_dtype(dtype)
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        self.device = check_device(device)
+        cuda_graphs, hybrid_kv_cache = (as_bool(cuda_graphs, "cuda_graphs"),
+                                        as_bool(hybrid_kv_cache, "hybrid_kv_cache"))
         ckpt = read_config(self.model_dir)
         config = self.config = ckpt.text
         n = self.tensor_parallel_size = check_tensor_parallel(config, tensor_parallel_size,
@@ -116,11 +125,10 @@ class LLM:
         chunk = config.attention_chunk_size
         if chunk is not None:
             check_chunk_geometry(chunk, block_size)
-        self.device = torch.device(device)
         self.max_num_seqs, self.block_size = int(max_num_seqs), int(block_size)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.num_speculative_tokens = int(num_speculative_tokens)
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
 
         backend_name = attention_backend
         if backend_name == "auto":
@@ -145,15 +153,12 @@ class LLM:
         plan = plan_load(self.model_dir, ckpt, load_format, TPGroup(0, n, None, moe_parallel))
         self.layer_kinds = [layer_kind(config, i) for i in range(config.num_hidden_layers)]
         specs = {kind: self._spec(kind, kv_dtype) for kind in set(self.layer_kinds)}
-        free_bytes = None
         if n > 1:  # the ranks start (and report their free memory) before any weight loads
-            from chunklocal.engine.workers import start_workers
-
             self.workers = start_workers(n, self.model_dir, self.device, kv_dtype,
                                          moe_parallel, load_format, seed)
-            free_bytes = self.workers.free_bytes
         groups, kind_to_group = self._make_groups(specs, hybrid_kv_cache, num_kv_blocks,
-                                                  plan.weight_bytes(kv_dtype), free_bytes)
+                                                  plan.weight_bytes(kv_dtype),
+                                                  self.workers and self.workers.free_bytes)
         self.model = load_model(plan, self.device, kv_dtype, seed) if n == 1 else None
         self.groups = groups
         self.max_virtual_batches = (
@@ -179,20 +184,6 @@ class LLM:
         self.last_stats: GenerateStats | None = None
 
     # -- construction -------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """End the tensor-parallel worker processes (idempotent; nothing to do for N = 1)."""
-        if getattr(self, "workers", None) is not None:
-            self.workers.close()
-
-    def __del__(self):
-        self.shutdown()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
-
     def _spec(self, kind, kv_dtype):
         c = self.config
         kv_heads = kv_head_split(c.num_key_value_heads, self.tensor_parallel_size)[0]
@@ -207,25 +198,28 @@ class LLM:
         hold a rank's KV heads, weight_bytes its slices, free_bytes its least free memory."""
         layers_of = {kind: self.layer_kinds.count(kind) for kind in specs}
         whole_seq = cdiv(self.max_model_len, self.block_size)
+        available = free_bytes
+        if available is None:  # the CPU's RAM is shared by the ranks of one host
+            available = available_memory(self.device) // self.tensor_parallel_size
         if num_kv_blocks is None:
             per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
-            budget = _CPU_KV_BYTES
-            if self.device.type == "cuda":
-                free = free_bytes or torch.cuda.mem_get_info(self.device)[0]
-                if weight_bytes > free:
-                    raise ValueError(f"the weights need {weight_bytes / 2**30:.1f} GiB, "
-                                     f"{free / 2**30:.1f} GiB is free on {self.device}")
-                budget = int((free - weight_bytes) * 0.4)
+            if weight_bytes > available:
+                raise ValueError(f"the weights need {weight_bytes / 2**30:.1f} GiB, "
+                                 f"{available / 2**30:.1f} GiB is available on {self.device}")
+            budget = int((available - weight_bytes) * KV_MEMORY_FRACTION)
             if whole_seq * per_block > budget:
                 fits = budget // per_block * self.block_size
                 raise ValueError(
                     f"one request of max_model_len {self.max_model_len} needs "
                     f"{whole_seq * per_block / 2**30:.1f} GiB of KV cache, more than the "
-                    f"default budget of {budget / 2**30:.1f} GiB: pass max_model_len <= "
-                    f"{fits} or an explicit num_kv_blocks")
+                    f"default budget of {budget / 2**30:.1f} GiB ({KV_MEMORY_FRACTION:.0%} of "
+                    f"the memory available on {self.device.type} after the weights): pass "
+                    f"max_model_len <= {fits} or an explicit num_kv_blocks")
             num_kv_blocks = min(self.max_num_seqs * whole_seq, budget // per_block)
         num_kv_blocks = int(num_kv_blocks)
         chunk = self.config.attention_chunk_size
+        # A chunked group holds a request's pages from its current chunk's start through
+        # the step's last query: at most c - 1 + T positions.
         local_need = min(cdiv(chunk - 1 + self.max_num_batched_tokens, self.block_size),
                          whole_seq) if chunk else whole_seq
         if hybrid or len(specs) == 1:
@@ -236,20 +230,31 @@ class LLM:
                 size = num_kv_blocks
                 if specs[kind].attention_chunk_size:
                     size = min(num_kv_blocks, self.max_num_seqs * need)
-                groups.append((kind.value, specs[kind], size, need))
+                groups.append((kind.value, specs[kind], size, need, layers_of[kind]))
             kind_to_group = {kind: i for i, kind in enumerate(names)}
         else:
             merged = merge([specs[Kind.CHUNKED], specs[Kind.GLOBAL]])
-            groups = [("merged", merged, num_kv_blocks, whole_seq)]
+            groups = [("merged", merged, num_kv_blocks, whole_seq, sum(layers_of.values()))]
             kind_to_group = {Kind.CHUNKED: 0, Kind.GLOBAL: 0}
-        for name, _, size, need in groups:
-            if size < need:
-                raise ValueError(
-                    f"num_kv_blocks={size} for the {name} KV group cannot hold one request: "
-                    f"max_model_len {self.max_model_len} needs {need} blocks of "
-                    f"{self.block_size}; max_model_len <= {size * self.block_size} fits")
+        # num_kv_blocks sizes every group, so the smallest that works is the largest need.
+        name, _, _, minimum, _ = max(groups, key=lambda g: g[3])
+        if num_kv_blocks < minimum:
+            raise ValueError(
+                f"num_kv_blocks={num_kv_blocks} cannot hold one request: the {name} KV group "
+                f"needs {minimum} blocks of {self.block_size} tokens (max_model_len "
+                f"{self.max_model_len}, max_num_batched_tokens {self.max_num_batched_tokens}); "
+                f"pass num_kv_blocks >= {minimum}, or max_model_len <= "
+                f"{num_kv_blocks * self.block_size} fits")
+        # One scratch page per group past the pool (KVGroup.scratch_page), every layer's K and V.
+        kv_bytes = sum((size + 1) * spec.page_size_bytes * layers
+                       for _, spec, size, _, layers in groups)
+        if kv_bytes + weight_bytes > available:
+            raise ValueError(
+                f"num_kv_blocks={num_kv_blocks} needs {kv_bytes / 2**30:.1f} GiB of KV cache, "
+                f"more than the {(available - weight_bytes) / 2**30:.1f} GiB available on "
+                f"{self.device.type} after {weight_bytes / 2**30:.1f} GiB of weights")
         self.group_names = [name for name, *_ in groups]
-        return [KVGroup(spec, size) for _, spec, size, _ in groups], kind_to_group
+        return [KVGroup(spec, size) for _, spec, size, *_ in groups], kind_to_group
 
     # -- requests -----------------------------------------------------------------------------
     @property
@@ -273,8 +278,11 @@ class LLM:
         progress bar and the summary line only for calls longer than 2 s.
         """
         check_temperature(temperature)
+        ignore_eos = as_bool(ignore_eos, "ignore_eos")
+        if use_tqdm is not None:
+            use_tqdm = as_bool(use_tqdm, "use_tqdm")
         token_lists, as_text = self._check_prompts(prompts, max_new_tokens)
-        params = SamplingParams(int(max_new_tokens), float(temperature), bool(ignore_eos))
+        params = SamplingParams(int(max_new_tokens), float(temperature), ignore_eos)
         seqs = self._run(token_lists, params, use_tqdm)
         outputs = [seq.output_ids for seq in seqs]
         if as_text:
@@ -288,7 +296,7 @@ class LLM:
         # The one token sampled after the prompt is never computed: a prompt may fill
         # max_model_len exactly.
         token_lists, _ = self._check_prompts(prompts, 1, room_for_new_tokens=False)
-        self.runner.capture, self.runner.capture_last_only = {}, last_only
+        self.runner.capture, self.runner.capture_last_only = {}, as_bool(last_only, "last_only")
         try:
             seqs = self._run(token_lists, SamplingParams(1, 0.0, True), use_tqdm=False)
             return [torch.cat(self.runner.capture[s.seq_id]) for s in seqs]

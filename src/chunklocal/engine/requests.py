@@ -34,6 +34,24 @@ def torch_dtype(dtype):
                      f"{sorted(_DTYPE_NAMES)}, got {dtype!r}")
 
 
+def check_device(device) -> torch.device:
+    """A cpu or cuda torch device that exists on this machine."""
+    try:
+        checked = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        checked = None
+    if checked is None or checked.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (e.g. 'cuda:0'), got {device!r}")
+    if checked.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available on this machine "
+                             "(no GPU, or a CPU-only torch build); use device='cpu'")
+        if checked.index is not None and checked.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return checked
+
+
 def load_tokenizer(model_dir: Path):
     """transformers' AutoTokenizer of a checkpoint directory that has tokenizer files."""
     from transformers import AutoTokenizer

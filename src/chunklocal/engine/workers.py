@@ -248,6 +248,26 @@ class Workers:
                           "stopped, this LLM can not run again")
 
 
+class OwnsWorkers:
+    """``shutdown()``, ``del`` and ``with`` end an engine's worker processes, if any."""
+
+    workers: Workers | None = None
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel worker processes (idempotent; nothing to do for N = 1)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def __del__(self):
+        self.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
 def start_workers(size: int, model_dir, device: torch.device, dtype, moe_parallel,
                   load_format="auto", seed=0) -> Workers:
     """Spawn the ranks of ``LLM(..., tensor_parallel_size=size)``; rank r uses cuda:r."""

@@ -50,7 +50,7 @@ import math
 import numpy as np
 import torch
 
-from chunklocal._validate import cdiv, raise_first
+from chunklocal._validate import as_bool, cdiv, raise_first
 from chunklocal.backends.base import Kind, pick_kind
 from chunklocal.backends.flashinfer.buffers import MetadataBuffers, write_step
 from chunklocal.bounds.sizing import backend_capacities, slot_page_limits
@@ -116,7 +116,7 @@ class FlashInferBackend:
             raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of "
                              f"num_kv_heads {num_kv_heads}")
         self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-        self.cuda_graphs = bool(cuda_graphs)
+        self.cuda_graphs = as_bool(cuda_graphs, "cuda_graphs")
         self.prefill_backend = prefill_backend
         self.chunk_size = chunk_size_of(spec)
         if self.cuda_graphs and (scratch_page is None or scratch_page < 0):

@@ -32,6 +32,7 @@ import logging
 import numpy as np
 import torch
 
+from chunklocal._validate import as_bool
 from chunklocal.backends.flashinfer.graph_layout import graph_slots, verify_use_first
 from chunklocal.backends.flashinfer.host_writes import HostStep, HostWrites
 from chunklocal.bounds.sizing import Capacity, slot_page_limits
@@ -65,7 +66,7 @@ class MetadataBuffers(HostWrites):
         self.name = name
         self.block_size = int(block_size)
         self.device = torch.device(device)
-        self.cuda_graphs = bool(cuda_graphs)
+        self.cuda_graphs = as_bool(cuda_graphs, "cuda_graphs")
         self._warned = False
         self.verify_use_first = torch.zeros(verify_rows, dtype=torch.bool, device=self.device)
         self._allocate(capacity)
