@@ -161,10 +161,10 @@ def test_a_killed_rank_fails_the_call_and_ends_every_worker(ckpt_a, victim):
 def test_a_rank_that_raises_while_loading(tmp_path, monkeypatch):
     """The checkpoint passes the caller's checks, then vanishes before the ranks read it:
     each rank's traceback reaches the caller, and no worker is left."""
-    from chunklocal.engine import workers
+    from chunklocal.engine import llm as llm_module
 
     write_tiny_llama4(tmp_path, seed=0)
-    real_start = workers.start_workers
+    real_start = llm_module.start_workers
 
     def start_then_remove(*args, **kwargs):
         started = real_start(*args, **kwargs)
@@ -172,7 +172,7 @@ def test_a_rank_that_raises_while_loading(tmp_path, monkeypatch):
             f.unlink()
         return started
 
-    monkeypatch.setattr(workers, "start_workers", start_then_remove)
+    monkeypatch.setattr(llm_module, "start_workers", start_then_remove)
     with pytest.raises(WorkerError, match=r"rank \d raised:\n.*Traceback"):
         chunklocal.LLM(tmp_path, tensor_parallel_size=2, **ACCEPTANCE)
     assert spawned_children() == []
