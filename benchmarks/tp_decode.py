@@ -121,7 +121,7 @@ def _probe_rank(rank, size, init_file, tokens, hidden, queue):
 
 
 def probe(size: int, tokens, hidden: int) -> dict:
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx = torch.multiprocessing.get_context("spawn" if torch.cuda.is_available() else "fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_probe_rank, args=(r, size, f"{tmp}/store", list(tokens),

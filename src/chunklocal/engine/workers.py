@@ -1,4 +1,4 @@
-"""Tensor parallelism: one spawned worker process per rank, driven by the caller's process.
+"""Tensor parallelism: one worker process per rank, driven by the caller's process.
 
 The caller's process keeps the scheduler and the block manager and never joins the
 process group: it pickles each step's :class:`~chunklocal.engine.model_runner.DeviceStep`
@@ -130,7 +130,11 @@ class Workers:
     :meth:`start_runners` then has them load their slices and build their runners."""
 
     def __init__(self, size: int, args: dict):
-        ctx = torch.multiprocessing.get_context("spawn")
+        # CUDA ranks are spawned: a fork of a process that touched CUDA cannot use it.  CPU
+        # ranks are forked (no CUDA; torch's thread pools reset in the child): they start
+        # in a fraction of the time and work from scripts without a __main__ guard.
+        method = "spawn" if args["device_type"] == "cuda" else "fork"
+        ctx = torch.multiprocessing.get_context(method)
         self._tmpdir = tempfile.mkdtemp(prefix="chunklocal-tp-")
         self.args = WorkerArgs(init_file=os.path.join(self._tmpdir, "store"), **args)
         self.procs, self.conns = [], []
