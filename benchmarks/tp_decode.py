@@ -188,9 +188,49 @@ def decode_step(llm, batch: int, context: int):
     return DeviceStep(inputs, tables, slots, np.zeros(batch), None)
 
 
-def fits(shape, n, batch, context, kv_budget) -> bool:
-    per = floor_bytes(shape, n, "tp", batch, context)["kv"]
-    return per <= kv_budget
+def engine_kv_bytes(shape, n, batch, context, max_batched) -> tuple[int, int]:
+    """(num_kv_blocks, KV bytes per GPU) of an engine for ``batch`` requests of ``context``
+    tokens, as LLM sizes its pools: the global pool num_kv_blocks pages, the chunked one
+    min(num_kv_blocks, batch x the pages a chunk plus a step's tokens span), one scratch
+    page each, every layer of a group."""
+    pages = -(-(context + 16) // BLOCK)
+    c = shape["attention_chunk_size"]
+    local_need = min(-(-(c - 1 + max_batched) // BLOCK), pages)
+    page = BLOCK * max(1, shape["num_key_value_heads"] // n) * shape["head_dim"] * 2 * 2
+    layers = shape["num_hidden_layers"]
+    global_layers = sum(1 for i in range(layers) if (i + 1) % 4 == 0)
+    blocks = batch * pages
+    chunked = min(blocks, batch * local_need)
+    return blocks, page * ((blocks + 1) * global_layers + (chunked + 1) * (layers - global_layers))
+
+
+def plan_cells(args, shape, probe_out):
+    """Per context: the (asked, run) batches and the engine's num_kv_blocks and batch limit.
+    A batch whose KV does not fit beside the weights and ~8 GiB of activations and graphs
+    (90% of the GPU) shrinks to the largest that does."""
+    n = args.tensor_parallel_size
+    weights = floor_bytes(shape, n, "tp", 4096, 1)["weights"]  # every local expert held
+    room = math.inf
+    if probe_out["gpu_bytes"]:
+        room = 0.9 * probe_out["gpu_bytes"] - weights - (8 << 30)
+    plans = []
+    for context in args.contexts:
+        cells = []
+        for batch in args.batches:
+            b = batch
+            while b > 1 and engine_kv_bytes(shape, n, b, context, max(512, b))[1] > room:
+                b -= 1 if b <= 16 else 8
+            cells.append((batch, b))
+        limit = max(b for _, b in cells)
+        blocks = engine_kv_bytes(shape, n, limit, context, max(512, limit))[0]
+        plans.append((context, cells, limit, blocks))
+    return plans
+
+
+def allreduce_us(probe_out, batch: int) -> float:
+    """Per-call time of the smallest probed size holding ``batch`` tokens."""
+    sizes = sorted(probe_out["allreduce_us"].items())
+    return next((us for t, us in sizes if t >= batch), sizes[-1][1])
 
 
 def run_cells(args, shape, model_dir, probe_out, rows, save):
@@ -198,58 +238,45 @@ def run_cells(args, shape, model_dir, probe_out, rows, save):
 
     n = args.tensor_parallel_size
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    max_ctx, max_batch = max(args.contexts), max(args.batches)
-    weights_gb = floor_bytes(shape, n, "tp", max_batch, 1)["weights"]
-    # KV room per GPU: what the weights and ~8 GiB of activations / graphs leave (90% use).
-    kv_budget = math.inf
-    if probe_out["gpu_bytes"]:
-        kv_budget = 0.9 * probe_out["gpu_bytes"] - weights_gb - (8 << 30)
-    cells = []
-    for context in args.contexts:
-        for batch in args.batches:
-            b = batch
-            while b > 1 and not fits(shape, n, b, context, kv_budget):
-                b -= 1 if b <= 16 else 8
-            cells.append((batch, b, context))
-    need_global = max(b * -(-c // BLOCK) for _, b, c in cells + [(0, 1, max_ctx + 16)])
     for moe in args.moe:
-        kw = dict(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-                  max_num_seqs=max_batch, max_num_batched_tokens=max(512, max_batch),
-                  max_model_len=max_ctx + 16, block_size=BLOCK, num_kv_blocks=need_global,
-                  tensor_parallel_size=n, moe_parallel=moe, cuda_graphs=not args.eager)
-        if args.load_format != "auto":
-            kw["load_format"] = args.load_format
-        start = time.perf_counter()
-        llm = chunklocal.LLM(model_dir, **kw)
-        load_s = time.perf_counter() - start
-        for asked, batch, context in cells:
-            step = decode_step(llm, batch, context)
-            for _ in range(3):
-                llm.runner.execute(step)
-            graphs_before = llm.runner.graph_steps
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                llm.runner.execute(step)
-                times.append((time.perf_counter() - t0) * 1e3)
-            floor = floor_bytes(shape, n, moe, batch, context)
-            floor_ms = floor["total"] / probe_out["copy_bytes_per_s"] * 1e3
-            per_call = probe_out["allreduce_us"].get(batch) or min(
-                probe_out["allreduce_us"].values())
-            calls = 2 * shape["num_hidden_layers"] + 1
-            step_ms = statistics.median(times)
-            rows.append(dict(
-                moe=moe, batch=batch, batch_asked=asked, context=context,
-                step_ms=round(step_ms, 3), p90_ms=round(sorted(times)[int(0.9 * (len(times) - 1))],
-                                                        3),
-                floor_ms=round(floor_ms, 3), floor_share=round(floor_ms / step_ms, 3),
-                weights_gb=round(floor["weights"] / 1e9, 2), kv_gb=round(floor["kv"] / 1e9, 2),
-                allreduce_ms=round(calls * per_call / 1e3, 3), allreduce_calls=calls,
-                graph_replayed=llm.runner.graph_steps > graphs_before, load_s=round(load_s, 1)))
-            print(format_table(rows[-1:]), flush=True)
-            save()
-        llm.shutdown()
-        del llm
+        for context, cells, limit, blocks in plan_cells(args, shape, probe_out):
+            kw = dict(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                      max_num_seqs=limit, max_num_batched_tokens=max(512, limit),
+                      max_model_len=context + 16, block_size=BLOCK, num_kv_blocks=blocks,
+                      tensor_parallel_size=n, moe_parallel=moe, cuda_graphs=not args.eager,
+                      load_format=args.load_format)
+            start = time.perf_counter()
+            llm = chunklocal.LLM(model_dir, **kw)
+            load_s = time.perf_counter() - start
+            for asked, batch in cells:
+                step = decode_step(llm, batch, context)
+                for _ in range(3):
+                    llm.runner.execute(step)
+                graphs_before = llm.runner.graph_steps
+                times = []
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    llm.runner.execute(step)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                floor = floor_bytes(shape, n, moe, batch, context)
+                floor_ms = floor["total"] / probe_out["copy_bytes_per_s"] * 1e3
+                calls = 2 * shape["num_hidden_layers"] + 1
+                step_ms = statistics.median(times)
+                rows.append(dict(
+                    moe=moe, batch=batch, batch_asked=asked, context=context,
+                    step_ms=round(step_ms, 3),
+                    p90_ms=round(sorted(times)[int(0.9 * (len(times) - 1))], 3),
+                    floor_ms=round(floor_ms, 3), floor_share=round(floor_ms / step_ms, 3),
+                    weights_gb=round(floor["weights"] / 1e9, 2),
+                    kv_gb=round(floor["kv"] / 1e9, 2),
+                    allreduce_ms=round(calls * allreduce_us(probe_out, batch) / 1e3, 3),
+                    allreduce_calls=calls,
+                    graph_replayed=llm.runner.graph_steps > graphs_before,
+                    load_s=round(load_s, 1)))
+                print(format_table(rows[-1:]), flush=True)
+                save()
+            llm.shutdown()
+            del llm
 
 
 def main(argv=None) -> int:
