@@ -79,6 +79,8 @@ def _probe_rank(rank, size, init_file, tokens, hidden, queue):
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:  # forked: one thread (a parent's OpenMP team does not survive the fork)
+        torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}",
                             rank=rank, world_size=size)
     out = {"allreduce_us": {}, "allreduce_eager_us": {}}

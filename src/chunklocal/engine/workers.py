@@ -131,8 +131,10 @@ class Workers:
 
     def __init__(self, size: int, args: dict):
         # CUDA ranks are spawned: a fork of a process that touched CUDA cannot use it.  CPU
-        # ranks are forked (no CUDA; torch's thread pools reset in the child): they start
-        # in a fraction of the time and work from scripts without a __main__ guard.
+        # ranks are forked: they start in a fraction of the time and work from scripts
+        # without a __main__ guard; they run one thread (start_workers), because an OpenMP
+        # thread team of the parent does not survive the fork (a forked parallel region waits
+        # forever on its missing threads).
         method = "spawn" if args["device_type"] == "cuda" else "fork"
         ctx = torch.multiprocessing.get_context(method)
         self._tmpdir = tempfile.mkdtemp(prefix="chunklocal-tp-")
@@ -279,9 +281,10 @@ def start_workers(size: int, model_dir, device: torch.device, dtype, moe_paralle
         raise ValueError(f"tensor_parallel_size {size} runs rank r on cuda:r: pass "
                          f"device='cuda' with at least {size} visible GPUs (got "
                          f"device={str(device)!r}, {torch.cuda.device_count()} GPUs)")
+    threads = max(1, torch.get_num_threads() // size) if device.type == "cuda" else 1
     return Workers(size, dict(model_dir=str(model_dir), device_type=device.type, dtype=dtype,
                               moe_parallel=moe_parallel, load_format=load_format, seed=seed,
-                              num_threads=max(1, torch.get_num_threads() // size)))
+                              num_threads=threads))
 
 
 class RemoteRunner(ModelRunner):
