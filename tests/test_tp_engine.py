@@ -210,3 +210,31 @@ def test_ranks_need_one_gpu_each(ckpt_a, monkeypatch, device, gpus, message):
     monkeypatch.setattr(workers, "Workers", None)  # calling it would fail the test
     with pytest.raises(ValueError, match=message):
         chunklocal.LLM(ckpt_a, tensor_parallel_size=2, device=device, max_model_len=128)
+
+
+def test_forked_ranks_after_the_parent_used_a_thread_team(ckpt_a):
+    """The parent ran a 2-thread OpenMP region: a forked rank's own 2-thread region would
+    wait forever on that team's threads, which the fork did not copy.  Ranks must run one
+    thread, whatever the parent's setting (here 4, which once gave each rank 4 / 2)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        torch.ones(1 << 22).mul_(2)  # an elementwise op: an OpenMP team of 2
+        torch.set_num_threads(4)
+        out, children = [], set(child_pids())
+
+        def start_and_generate():  # in a thread: a hang fails the test instead of CI
+            out.append(chunklocal.LLM(ckpt_a, tensor_parallel_size=2, **ACCEPTANCE))
+            out.append(out[0].generate(PROMPTS[:2], 4))
+
+        caller = threading.Thread(target=start_and_generate, daemon=True)
+        caller.start()
+        caller.join(60)
+        if caller.is_alive():  # end the hung ranks before failing
+            for pid in set(child_pids()) - children:
+                os.kill(pid, signal.SIGKILL)
+        assert not caller.is_alive(), "the forked ranks hang"
+        assert len(out) == 2 and out[0].workers.args.num_threads == 1
+        out[0].shutdown()
+    finally:
+        torch.set_num_threads(before)
