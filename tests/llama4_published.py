@@ -126,7 +126,7 @@ def read_tensors(path) -> dict:
 def hf_generate(model, prompt, max_new_tokens, eos=None):
     """transformers' greedy tokens, stopping at ``eos`` (a list) when given."""
     model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = 504
+    model.generation_config.pad_token_id = (eos or [0])[0]
     kwargs = {} if eos else {"min_new_tokens": max_new_tokens}
     out = model.generate(torch.tensor([prompt], device=model.device),
                          max_new_tokens=max_new_tokens, do_sample=False, **kwargs)

@@ -179,3 +179,17 @@ def test_decode_ab_smoke(tmp_path):
     assert [r["tree"] for r in data["rows"]] == ["A", "B"]
     assert all(r["decode_ms"] > 0 and r["decode_steps"] > 0 for r in data["rows"])
     assert data["b_over_a"] > 0
+
+
+def test_decode_trace_counts_files_to_the_kernel(tmp_path):
+    """The decode-path trace reaches the kernel; issue 15 measured 11 files on the CPU path
+    (BENCHMARKS.md): a change that adds a hop should say why."""
+    from benchmarks import decode_trace
+
+    decode_trace.write_checkpoint(tmp_path)
+    result = decode_trace.trace_decode(tmp_path)
+    files = result["decode_files"]
+    assert files[0] == "chunklocal/engine/llm.py"
+    assert {"chunklocal/reference.py", "chunklocal/models/llama4.py",
+            "chunklocal/backends/torch_ref.py"} <= set(files)
+    assert result["count"] == len(files) <= 11

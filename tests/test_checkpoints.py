@@ -153,6 +153,7 @@ def test_fbgemm_fp8_maverick(tmp_path):
     assert llm.model.layers[1].feed_forward.experts.w2.dtype == torch.float8_e4m3fn
     assert llm.model.layers[0].feed_forward.gate_proj.weight.dtype == torch.float8_e4m3fn
     assert llm.model.layers[0].feed_forward.gate_proj.act_scale_ub == 1200.0
+    assert llm.model.layers[1].feed_forward.experts.act_scale_ub == 1200.0
     check_tokens(llm, fp8_oracle(hf, tensors, scale_ub=1200.0), PROMPTS, None)
 
 

@@ -360,6 +360,43 @@ def test_string_prompt_without_a_tokenizer(ckpt):
     assert llm.generate(good, max_new_tokens=4) == [hf_greedy(hf, good[0], 4)]
 
 
+def test_eos_among_accepted_drafts_stops_like_k0(ckpt):
+    """With prompt-lookup drafts an EOS can arrive inside an accepted draft: the request
+    must stop right after it, as without speculation.  The prompt ends with the model's own
+    continuation, so drafts copied from it get accepted; the test checks that some token
+    first reaches the output that way, then tries every output token as the EOS."""
+    path, _ = ckpt
+    kwargs = dict(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=160)
+    k0 = chunklocal.LLM(path, **kwargs)
+    k3 = chunklocal.LLM(path, num_speculative_tokens=3, **kwargs)
+    # Seed and length found by search: the model then revisits its own earlier tokens.
+    prompt = prompts_of([30], seed=2)[0]
+    prompt += k0.generate([prompt], max_new_tokens=20, ignore_eos=True)[0]
+    free = k0.generate([prompt], max_new_tokens=16, ignore_eos=True)[0]
+    first_as_draft = set()
+    postprocess = k3.scheduler.postprocess
+
+    def spy(batch, sampled, eos_ids):
+        for seq, draft, tokens in zip(batch.seqs, batch.drafts, sampled, strict=True):
+            seen = set(seq.output_ids)
+            for token, chosen in zip(draft, tokens, strict=False):
+                if token != int(chosen):
+                    break
+                if token not in seen:
+                    first_as_draft.add(token)
+                seen.add(token)
+        return postprocess(batch, sampled, eos_ids)
+
+    k3.scheduler.postprocess = spy
+    assert k3.generate([prompt], max_new_tokens=16, ignore_eos=True)[0] == free
+    assert first_as_draft, "no token reached the output first as an accepted draft"
+    for eos in dict.fromkeys(free):
+        k0.eos_ids = k3.eos_ids = frozenset([eos])
+        expected = free[:free.index(eos) + 1]
+        assert k0.generate([prompt], max_new_tokens=16)[0] == expected
+        assert k3.generate([prompt], max_new_tokens=16)[0] == expected, f"eos {eos}"
+
+
 def test_eos_stops_a_request_like_transformers(ckpt):
     path, hf = ckpt
     prompt = prompts_of([30], seed=9)[0]

@@ -91,3 +91,24 @@ def test_default_cpu_pool_is_max_num_seqs_whole_requests(path, monkeypatch):
                         lambda device: 100 * 64 * PAGE_BYTES + weights)
     llm = chunklocal.LLM(path, max_num_seqs=300, max_model_len=1024)
     assert llm.groups[-1].num_blocks == int(0.4 * 100 * 64 * PAGE_BYTES) // PAGE_BYTES == 2560
+
+
+def test_generate_raises_when_the_pool_cannot_make_progress(path, monkeypatch):
+    """A block manager one page too strict (the bug a mutation probe planted) must end
+    generate() with an error, not loop: the step guard of the scheduler."""
+    from chunklocal.engine.block_manager import BlockManager
+
+    def one_page_short(self, seq, num_new):
+        return all(grp.new_pages(seq, g, num_new)
+                   <= len(grp.free_blocks) + grp.stale_pages(seq, g) - 1
+                   for g, grp in enumerate(self.groups))
+
+    llm = chunklocal.LLM(path, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2,
+                         num_kv_blocks=4)
+    monkeypatch.setattr(BlockManager, "can_allocate", one_page_short)
+    prompt = [(5 * i) % 512 for i in range(40)]
+    with pytest.raises(RuntimeError, match="no new token in|no request can be scheduled"):
+        llm.generate([prompt], max_new_tokens=24, ignore_eos=True)
+    assert not llm.scheduler.has_work()  # aborted: the next call starts clean
+    monkeypatch.undo()
+    assert len(llm.generate([prompt], max_new_tokens=24, ignore_eos=True)[0]) == 24

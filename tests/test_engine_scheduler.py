@@ -10,6 +10,7 @@ global ones) is still there, uncorrupted by frees, reuse or preemption.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from chunklocal._validate import cdiv
 from chunklocal.engine.block_manager import BlockManager, KVGroup
 from chunklocal.engine.scheduler import Scheduler, propose_ngram
-from chunklocal.engine.sequence import SamplingParams, Sequence
+from chunklocal.engine.sequence import SamplingParams, Sequence, Status
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 
 VOCAB = 11
@@ -141,7 +142,7 @@ def test_random_workloads_finish_with_right_tokens(lengths, max_new, max_num_seq
 
 def test_preemption_happens_and_recovers():
     """A pool of exactly one whole request with 4 concurrent requests must preempt."""
-    block_size, chunk, max_new = 4, 8, 10
+    block_size, max_new = 4, 10
     spec = FullAttentionSpec(block_size, 1, 8, torch.float32)
     prompts = [[1, 2, 0, 1, 2] * 3, [2, 2, 1] * 4, [0, 1] * 7, [1] * 9]
     max_model_len = max(map(len, prompts)) + max_new
@@ -157,7 +158,9 @@ def test_preemption_happens_and_recovers():
         scheduler.postprocess(batch, runner.run(batch), frozenset())
     assert scheduler.num_preemptions > 0
     assert [s.output_ids for s in seqs] == [unrolled(p, max_new) for p in prompts]
-    assert chunk  # the chunk size plays no role for a global-only pool
+    # The pool was used to its last page and every page came back.
+    assert groups[0].peak_used == groups[0].num_blocks
+    assert len(groups[0].free_blocks) == groups[0].num_blocks
 
 
 @given(tokens=st.lists(st.integers(0, 4), min_size=0, max_size=30), k=st.integers(0, 5))
@@ -177,3 +180,80 @@ def test_ngram_proposal_is_a_continuation_of_an_earlier_match(tokens, k):
             if tokens[i:i + n] == tokens[-n:] and tokens[i + n:i + n + len(draft)] == draft:
                 found = True
     assert found
+
+
+# -- deterministic edges: drafts against the budget and EOS, pools that cannot progress ----
+
+def decoding(prompts, k, ignore_eos=True, num_blocks=64):
+    """A scheduler whose requests finished their prefill (one token sampled) and decode next."""
+    spec = FullAttentionSpec(4, 1, 8, torch.float32)
+    groups = [KVGroup(spec, num_blocks)]
+    scheduler = Scheduler(BlockManager(groups, len(prompts), 16), len(prompts), 256, 64, k)
+    seqs = [Sequence(i, p, SamplingParams(16, ignore_eos=ignore_eos), 1)
+            for i, p in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    scheduler.postprocess(batch, [np.array([1]) for _ in seqs], frozenset())
+    assert all(not s.is_prefilling for s in seqs)
+    return scheduler, seqs
+
+
+@pytest.mark.parametrize("budget, expected", [
+    (9, [4, 4]), (8, [4, 4]), (7, [4, 3]), (6, [4, 2]), (5, [4, 1]), (4, [4]), (3, [3]),
+    (2, [2]), (1, [1]),
+])
+def test_drafts_are_cut_to_the_token_budget(budget, expected):
+    """Two decodes, each with a 3-token draft (4 query tokens): the second gets what the
+    first leaves, one query token plus at most budget - 1 drafts, never more."""
+    scheduler, _ = decoding([[1, 2, 3, 4], [4, 3, 2, 1]], k=3)
+    scheduler.max_num_batched_tokens = budget
+    scheduler._draft = lambda seq: [7, 7, 7]
+    batch = scheduler.schedule()
+    assert batch.num_new == expected
+    assert [len(d) for d in batch.drafts] == [n - 1 for n in expected]
+    assert batch.num_tokens <= budget
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_eos_arriving_as_an_accepted_draft_token_stops_the_request(ignore_eos):
+    eos = 9
+    scheduler, (seq,) = decoding([[1, 2, 3, 4]], k=3, ignore_eos=ignore_eos)
+    scheduler._draft = lambda seq: [5, eos, 6]
+    batch = scheduler.schedule()
+    assert batch.drafts == [[5, eos, 6]]
+    # The model agrees with all three draft tokens and picks 8 after them.
+    finished = scheduler.postprocess(batch, [np.array([5, eos, 6, 8])], frozenset([eos]))
+    if ignore_eos:
+        assert seq.output_ids == [1, 5, eos, 6, 8] and not finished
+        return
+    assert seq.output_ids == [1, 5, eos]  # nothing after the EOS
+    assert finished == [seq] and seq.status is Status.FINISHED
+    assert not scheduler.has_work()
+    grp = scheduler.block_manager.groups[0]
+    assert len(grp.free_blocks) == grp.num_blocks
+
+
+def test_a_pool_that_cannot_hold_the_next_request_raises_instead_of_spinning():
+    groups = [KVGroup(FullAttentionSpec(4, 1, 8, torch.float32), 2)]  # 8 tokens
+    scheduler = Scheduler(BlockManager(groups, 1, 8), 1, 64, 32, 0)
+    scheduler.add(Sequence(0, list(range(9)), SamplingParams(4, ignore_eos=True), 1))
+    with pytest.raises(RuntimeError, match=r"no request can be scheduled \(1 waiting, 0 running"):
+        scheduler.schedule()
+
+
+def test_requests_that_keep_losing_their_kv_raise_instead_of_looping():
+    """3 pages of 4 tokens, a 9-token prompt + 10 new tokens (5 pages), 4 tokens per step:
+    each prefill piece is admitted, the decode at position 12 never fits, the request
+    preempts itself and starts again: a livelock with a non-empty batch every step."""
+    groups = [KVGroup(FullAttentionSpec(4, 1, 8, torch.float32), 3)]
+    scheduler = Scheduler(BlockManager(groups, 1, 8), 1, 4, 32, 0)
+    runner = FakeRunner(groups, scheduler, (1, 4))
+    scheduler.add(Sequence(0, list(range(9)), SamplingParams(10, ignore_eos=True), 1))
+    steps = 0
+    with pytest.raises(RuntimeError, match="no new token in 38 steps .* preemptions"):
+        while scheduler.has_work():
+            batch = scheduler.schedule()
+            steps += 1
+            scheduler.postprocess(batch, runner.run(batch), frozenset())
+    assert scheduler.num_preemptions > 0 and steps < 60

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
@@ -10,7 +11,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunklocal import bounds
 from chunklocal.backends.base import EngineLimits
 from chunklocal.backends.flashinfer.buffers import CapacityError, MetadataBuffers, write_step
 from chunklocal.bounds.sizing import Capacity, group_capacities
@@ -21,6 +21,7 @@ from chunklocal.kv_spec import (
     attention_kinds,
     merge,
 )
+from chunklocal.virtual_batches import make_virtual_batches
 
 BS = 16
 REPORTER = EngineLimits(max_num_seqs=1, max_num_batched_tokens=36000, max_model_len=36000,
@@ -72,50 +73,92 @@ def random_batch(draw, n_max=5, chunk=64, bs=BS, q_max=150, s_max=400):
 
 
 # ----------------------------------------------------------------- sizing
-def test_sizing_chunked_spec_uses_virtual_batch_bounds():
-    caps = group_capacities(chunked_spec(), REPORTER)
+# Expected sizes are literal numbers with their derivation, or brute force over every
+# batch: never the bounds.* calls the sizing code itself makes.
+def test_sizing_chunked_spec_on_the_reporters_config():
+    # One 36000-token prefill: 36000 = 4 x 8192 + 3232 -> 5 virtual batches, and every page
+    # read once: cdiv(36000, 16) = 2250 pages.
     assert attention_kinds(chunked_spec()) == (Kind.CHUNKED,)
-    assert caps[Kind.CHUNKED] == Capacity(
-        bounds.max_virtual_batches(1, 36000, 8192, 36000),
-        bounds.max_local_pages(1, 36000, 8192, 36000, BS))
-    assert caps[Kind.CHUNKED].batches >= 5 and caps[Kind.CHUNKED].pages >= 2250
+    assert group_capacities(chunked_spec(), REPORTER) == {Kind.CHUNKED: Capacity(5, 2250)}
 
 
 def test_sizing_full_spec_and_full_spec_carrying_a_chunk():
     assert attention_kinds(full_spec()) == (Kind.GLOBAL,)
-    assert group_capacities(full_spec(), REPORTER)[Kind.GLOBAL] == Capacity(1, 2250)
+    assert group_capacities(full_spec(), REPORTER) == {Kind.GLOBAL: Capacity(1, 2250)}
     # A full spec that carries a chunk (merged mode) counts as chunked AND keeps
     # whole-sequence room for its global layers.
     carried = full_spec(chunk=8192)
     assert attention_kinds(carried) == (Kind.CHUNKED, Kind.GLOBAL)
-    caps = group_capacities(carried, REPORTER)
-    assert caps[Kind.CHUNKED].batches >= 5
-    assert caps[Kind.GLOBAL].pages == 2250
+    assert group_capacities(carried, REPORTER) == {Kind.CHUNKED: Capacity(5, 2250),
+                                                   Kind.GLOBAL: Capacity(1, 2250)}
 
 
 def test_sizing_merged_group():
     merged = merge([chunked_spec(), full_spec()])
     assert attention_kinds(merged) == (Kind.CHUNKED, Kind.GLOBAL)
-    limits = EngineLimits(256, 8192, 131072, BS)
-    caps = group_capacities(merged, limits)
-    assert caps[Kind.GLOBAL].pages == 256 * 8192  # 256 requests x cdiv(131072, 16)
-    assert caps[Kind.CHUNKED].batches > 256  # virtual batches exceed max_num_seqs
+    caps = group_capacities(merged, EngineLimits(256, 8192, 131072, BS))
+    # Global: 256 requests x cdiv(131072, 16) pages.
+    assert caps[Kind.GLOBAL] == Capacity(256, 256 * 8192)
+    # Chunked: 256 requests each straddling a boundary with 2 tokens = 512 virtual batches
+    # (512 tokens); one more batch would cost a whole chunk of 8192 > the 7680 tokens left.
+    assert caps[Kind.CHUNKED].batches == 512
     only_chunked = merge([chunked_spec(), chunked_spec()])
     assert attention_kinds(only_chunked) == (Kind.CHUNKED,)
 
 
 def test_sizing_graph_layouts_widen_capacity():
+    """Verify windows of 4 tokens at B = 8, c = 256, bs = 16: two slots per request, the first
+    up to c + 3 = 259 keys (17 pages), the second up to c (16 pages): 16 slots, 8 x 33 = 264
+    pages, where an eager step of these limits needs only 139 (8 x 16 + 11)."""
     limits = EngineLimits(8, 64, 1000, BS)
-    caps = group_capacities(chunked_spec(c=256), limits, graph_batch_sizes=(1, 8),
-                            query_lens=(1, 4))
-    # verify: two slots per request, first slot up to c + 3 keys.
-    assert caps[Kind.CHUNKED].batches >= 16
-    assert caps[Kind.CHUNKED].pages >= 8 * (-(-(256 + 3) // BS) + 256 // BS)
+    spec = chunked_spec(c=256)
+    assert group_capacities(spec, limits)[Kind.CHUNKED] == Capacity(16, 139)
+    caps = group_capacities(spec, limits, graph_batch_sizes=(1, 8), query_lens=(1, 4))
+    assert caps[Kind.CHUNKED] == Capacity(16, 264)
+    # The device path writes exactly B x (17 + 16) index entries: one fewer does not fit.
+    seq = torch.full((8,), 600, dtype=torch.int32)
+    table = torch.arange(8 * 63, dtype=torch.int32).reshape(8, 63)
+    MetadataBuffers(caps[Kind.CHUNKED], BS, cuda_graphs=True, verify_rows=32) \
+        .write_graph_step_device(seq, table, 4, 256, True, 0, 1000)
+    short = MetadataBuffers(Capacity(16, 263), BS, cuda_graphs=True, verify_rows=32)
+    with pytest.raises(CapacityError, match="paged_kv_indices holds 263 entries"):
+        short.write_graph_step_device(seq, table, 4, 256, True, 0, 1000)
+
+
+def brute_force_maxima(n_max, tokens, model_len, chunk, bs):
+    """(virtual batches, local pages, requests, global pages): maxima over every batch."""
+    requests = [(q, s) for s in range(1, model_len + 1) for q in range(1, s + 1)]
+    best = [0, 0, 0, 0]
+    for n in range(1, min(n_max, tokens) + 1):
+        for batch in itertools.combinations_with_replacement(requests, n):
+            q = np.array([r[0] for r in batch])
+            if q.sum() > tokens:
+                continue
+            s = np.array([r[1] for r in batch])
+            table = np.arange(n * model_len).reshape(n, model_len)
+            vb = make_virtual_batches(np.concatenate([[0], np.cumsum(q)]), s, table, chunk, bs)
+            found = (vb.num_batches, int((-(-vb.seq_lens // bs)).sum()), n,
+                     int((-(-s // bs)).sum()))
+            best = [max(a, b) for a, b in zip(best, found, strict=True)]
+    return best
+
+
+@pytest.mark.parametrize("n_max, tokens, model_len, chunk, bs", [
+    (1, 6, 8, 2, 1), (2, 3, 8, 2, 2), (2, 6, 5, 4, 2), (2, 8, 8, 4, 1), (3, 5, 6, 2, 1),
+    (2, 1, 7, 4, 4), (3, 9, 4, 4, 2),
+])
+def test_step_capacity_is_the_brute_force_maximum(n_max, tokens, model_len, chunk, bs):
+    limits = EngineLimits(n_max, tokens, model_len, bs)
+    spec = merge([chunked_spec(c=chunk, bs=bs), full_spec(bs=bs)])
+    batches, local, reqs, whole = brute_force_maxima(n_max, tokens, model_len, chunk, bs)
+    assert group_capacities(spec, limits) == {Kind.CHUNKED: Capacity(batches, local),
+                                              Kind.GLOBAL: Capacity(reqs, whole)}
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_every_step_fits_the_capacity(data):
+    """Any batch within the limits is written, right, into buffers that may not grow."""
     n_max = data.draw(st.integers(1, 4))
     tokens = data.draw(st.integers(n_max, 300))
     model_len = data.draw(st.integers(1, 400))
@@ -123,18 +166,20 @@ def test_every_step_fits_the_capacity(data):
     spec = merge([chunked_spec(c=64), full_spec()])
     n = data.draw(st.integers(1, n_max))
     seq = np.array([data.draw(st.integers(1, model_len)) for _ in range(n)])
-    budget = tokens
     q = []
-    for s in seq:
-        q.append(data.draw(st.integers(1, max(1, min(int(s), budget - (n - len(q) - 1))))))
-        budget -= q[-1]
-    if budget < 0:
-        return
+    for i, s in enumerate(seq):  # leave at least one token for each later request
+        q.append(data.draw(st.integers(1, min(int(s), tokens - sum(q) - (n - 1 - i)))))
     qsl = np.concatenate([[0], np.cumsum(q)])
-    table = np.arange(n * (-(-model_len // BS))).reshape(n, -1)
+    table = np.arange(n * (-(-model_len // BS))).reshape(n, -1) + 1
     for kind, cap in group_capacities(spec, limits).items():
-        buffers = MetadataBuffers(cap, BS, cuda_graphs=True)
-        write_step(buffers, qsl, seq, table, np.diff(qsl), 64 if kind is Kind.CHUNKED else None)
+        buffers = MetadataBuffers(cap, BS, cuda_graphs=True)  # CapacityError if it overflows
+        chunk = 64 if kind is Kind.CHUNKED else None
+        step = write_step(buffers, qsl, seq, table, np.diff(qsl), chunk)
+        assert step.num_batches <= cap.batches and step.num_pages <= cap.pages
+        got = keys_from_metadata(step.qo_indptr.numpy(), step.paged_kv_indptr.numpy(),
+                                 step.paged_kv_last_page_len.numpy(),
+                                 step.paged_kv_indices.numpy(), BS)
+        assert got == keys_expected(qsl, seq, table, chunk, BS)
 
 
 # ------------------------------------------------------- capacity backstop

@@ -164,3 +164,17 @@ def test_compressed_tensors_targets_and_ignore():
                                    "config_groups": {"g": group}})
     with pytest.raises(ValueError, match="activation_scale_ub must be a positive number"):
         parse_quantization_config({"quant_method": "fbgemm_fp8", "activation_scale_ub": -1})
+
+
+def test_moe_expert_mm_passes_the_activation_scale_bound():
+    """fbgemm_fp8's activation_scale_ub reaches the experts' grouped product."""
+    from chunklocal.models.moe import expert_mm
+
+    x = tensors(1, 6, 16, spread=6.0) * 100  # token amaxes far above the bound
+    w_full = tensors(2, 2, 8, 16, spread=1.0)
+    w_scale = w_full.abs().amax(-1) / 448
+    w = (w_full / w_scale[..., None]).to(FP8)
+    offs = torch.tensor([4, 6], dtype=torch.int32)
+    capped = expert_mm(x, w, offs, w_scale, act_scale_ub=1.0)
+    torch.testing.assert_close(capped, fp8_grouped_mm(x, w, w_scale, offs, act_scale_ub=1.0))
+    assert not torch.allclose(capped, expert_mm(x, w, offs, w_scale))

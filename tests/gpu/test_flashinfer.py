@@ -69,13 +69,15 @@ def run_eager(backend, q, k, v, qsl, seq, table, **kw):
 
 # ------------------------------------------------------------------- (a)
 @pytest.mark.parametrize("prefill_backend", ["fa2", "auto"])
-def test_reporter_config_full_size(prefill_backend, request):
+def test_reporter_config_full_size(prefill_backend):
     """One 36000-token prompt, c=8192, bs=16, max_num_seqs=1, 40/8 heads, dim 128."""
     if prefill_backend == "auto" and os.environ.get("CHUNKLOCAL_UNDER_SANITIZER"):
-        # Seen on the H200: FA3 ("auto" on sm90) returns ~20 wrong (row, head) pairs
-        # under memcheck (0 memory errors), exact without it; FA2 is exact in both.
-        request.applymarker(pytest.mark.xfail(reason="FA3 rows differ under memcheck",
-                                              strict=False))
+        # Not run under compute-sanitizer: there FA3 ("auto" on sm90) returned ~20 wrong
+        # (row, head) pairs with 0 memory errors on the H200 (docs/gpu.md), while it is exact
+        # without the sanitizer and FA2 is exact in both.  An xfail would also pass if the
+        # case broke in some new way; the plain (unsanitized) run of this case is the check.
+        pytest.skip("FA3 under compute-sanitizer memcheck: known wrong rows from the tool "
+                    "run, see docs/gpu.md; checked by the unsanitized run")
     limits = EngineLimits(1, 36000, 36000, BS)
     backend = FlashInferBackend(spec(8192), limits, HQ, HKV, D, DT, "cuda",
                                 prefill_backend=prefill_backend)

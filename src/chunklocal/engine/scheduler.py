@@ -7,6 +7,13 @@ prefill longer than the remaining budget is split anywhere, also mid-chunk.
 Admission waits while pages are short; a running request that cannot get pages
 preempts the most recently admitted unscheduled request (its KV is dropped and
 recomputed later, its tokens are kept), so nothing is ever lost.
+
+Progress is checked, so a pool that cannot serve its requests fails instead of
+looping: ``schedule()`` raises RuntimeError when it can schedule nothing while
+requests wait, or when more steps than there are tokens left to compute (prompt
+plus new tokens of every unfinished request, doubled) pass without one new token.
+Every step computes at least one token, so only requests that keep losing their
+KV to preemption can get there.
 """
 
 from __future__ import annotations
@@ -70,9 +77,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted = 0
+        #: Prompt + new tokens of the unfinished requests, and steps since a new token.
+        self.tokens_left = 0
+        self.steps_without_token = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.tokens_left += seq.num_prompt_tokens + seq.params.max_new_tokens
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -90,6 +101,7 @@ class Scheduler:
             seq.status = Status.FINISHED
         self.running.clear()
         self.waiting.clear()
+        self.tokens_left = self.steps_without_token = 0
         return dropped
 
     def _draft(self, seq: Sequence) -> list[int]:
@@ -152,7 +164,22 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num_new)
             budget -= num_new
+        self._check_progress(batch)
         return batch
+
+    def _check_progress(self, batch: ScheduledBatch) -> None:
+        self.steps_without_token += 1
+        if batch.seqs and self.steps_without_token <= 2 * self.tokens_left:
+            return
+        free = [len(grp.free_blocks) for grp in self.block_manager.groups]
+        state = (f"{len(self.waiting)} waiting, {len(self.running)} running, "
+                 f"{self.num_preemptions} preemptions so far, free KV blocks per group {free}")
+        if not batch.seqs:
+            raise RuntimeError(f"no request can be scheduled ({state}): the KV pool cannot "
+                               "hold the next request's pages")
+        raise RuntimeError(f"no new token in {self.steps_without_token - 1} steps ({state}): "
+                           "requests keep losing their KV to preemption; the KV pool is too "
+                           "small for them")
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[np.ndarray],
                     eos_ids: frozenset[int]) -> list[Sequence]:
@@ -174,6 +201,7 @@ class Scheduler:
             seq.num_computed += num_new - len(draft) + accepted
             self.num_draft_tokens += len(draft)
             self.num_accepted += accepted
+            self.steps_without_token = 0
             for token in [*draft[:accepted], int(tokens[accepted])]:
                 seq.token_ids.append(token)
                 stop = (token in eos_ids and not seq.params.ignore_eos)
@@ -182,6 +210,7 @@ class Scheduler:
                     break
             if seq.status is Status.FINISHED:
                 self.block_manager.free(seq)
+                self.tokens_left -= seq.num_prompt_tokens + seq.params.max_new_tokens
                 finished.append(seq)
         if finished:  # one pass, order kept (not one list.remove per finished request)
             self.running = [s for s in self.running if s.status is not Status.FINISHED]

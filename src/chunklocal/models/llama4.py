@@ -73,7 +73,8 @@ class GatedMLP(nn.Module):
                                       make=_maker(fp8, f"{prefix}.down_proj"))
 
     def forward(self, x):
-        return self.tp.all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
+        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 class Attention(nn.Module):
@@ -128,7 +129,8 @@ class Attention(nn.Module):
         flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
         out = step.backend.forward(step.metadata, q, self.k_cache, self.v_cache, self.scale,
                                    kind=step.kind)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, -1).to(x.dtype)))
+        out = self.o_proj(out.reshape(t, -1).to(x.dtype))
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 def _rotate(x, freqs_cis):
@@ -234,4 +236,5 @@ class Llama4ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden):
-        return self.tp.all_gather_last(self.lm_head(hidden))
+        logits = self.lm_head(hidden)
+        return self.tp.all_gather_last(logits) if self.tp.size > 1 else logits

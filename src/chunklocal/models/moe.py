@@ -283,7 +283,8 @@ class MoE(nn.Module):
         if elsewhere is not None:  # rows past the last group are unspecified: drop them
             per_slot = per_slot.masked_fill(elsewhere.reshape(-1, 1), 0)
         routed = per_slot.view(tokens, slots, hidden).sum(1) if slots > 1 else per_slot
-        return self.tp.all_reduce(routed if fused else self._shared(x) + routed)
+        out = routed if fused else self._shared(x) + routed
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
     def _shared(self, x):
         if not self.stacked:

@@ -22,7 +22,8 @@ full checkpoint tensor to this rank's slice.  Rules live on modules, not on
 parameters, because loading assigns new parameter objects.
 
 With ``TPGroup.size == 1`` the layers are exactly the plain ones (no rules, no
-wrapper) and every collective returns its input untouched.
+wrapper), and the model calls no collective (it tests ``tp.size`` first), so a
+one-rank decode step runs the code it ran before tensor parallelism existed.
 """
 
 from __future__ import annotations

@@ -109,8 +109,7 @@ class HostWrites:
         flat = gathered = None
         if table.size:
             # Flat index of every page: one repeat and one add, then one gather.  The
-            # index is intp: np.take casts any other index dtype to it first (an
-            # int32 index made the gather ~2x slower).
+            # index is intp: np.take casts any other index dtype to it first.
             base = np.where(padding, 0, rows * table.shape[1] + first)
             flat = np.repeat(base - (ends - pages), pages).astype(np.intp, copy=False)
             flat += self._decode_cache.positions(num_pages)
@@ -202,7 +201,7 @@ class HostWrites:
         cache = self._decode_cache
         kv_indptr = host["paged_kv_indptr"]
         kv_indptr[0] = 0
-        # add.accumulate with dtype: half the cost of np.cumsum casting into the mirror.
+        # add.accumulate with dtype: cheaper than np.cumsum casting into the mirror.
         np.add.accumulate(pages, dtype=np.int32, out=kv_indptr[1:n + 1])
         num_pages = int(kv_indptr[n])
         np.add(last_offset, 1, out=host["paged_kv_last_page_len"][:n])
@@ -233,9 +232,8 @@ class HostWrites:
         Same arrays as ``write_host(query_lens, seq_lens, 0, arange(n), block_table)``.
         When the requests fill at least a third of the table, one boolean-mask
         gather (pages come out row-major, the kv_indices order) beats building a
-        flat index (measured: 1.3 vs 1.9 ms for 1.06M pages of a [256, 8192]
-        table); sparser tables, and inputs this path does not cover, take the
-        general path.
+        flat index (BENCHMARKS.md, "Numbers behind code comments"); sparser tables,
+        and inputs this path does not cover, take the general path.
         """
         q = np.asarray(query_lens, dtype=np.int64)
         kv = np.asarray(seq_lens, dtype=np.int64)
@@ -268,7 +266,7 @@ class HostWrites:
                         self.host[mirror_set]["paged_kv_indices"][:num_pages], mirror_set)
 
     def _fixed_views(self, mirror_set: int, n: int):
-        """Torch views of the first ``n`` slots' mirrors, cached (slicing costs ~3 us)."""
+        """Torch views of the first ``n`` slots' mirrors, cached (slicing is not free)."""
         key = (mirror_set, n)
         views = self._view_cache.get(key)
         if views is None:
