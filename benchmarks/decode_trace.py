@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -48,14 +49,14 @@ def trace_decode(model_dir: Path, prompt_len: int = 40) -> dict:
     llm = chunklocal.LLM(model_dir, device="cpu", max_num_seqs=2, max_num_batched_tokens=64,
                          max_model_len=128)
     prompt = [(7 * i) % 256 for i in range(prompt_len)]
-    llm.generate([prompt], max_new_tokens=2, ignore_eos=True, use_tqdm=False)  # warm-up
     src = str(SRC) + "/"
+    active = [False]
     phases: list[list[str]] = [[]]  # phase 0: before the first schedule(); then one per step
     kernel_reached = [False, False]  # in the decode step: (entered kernel, first file after)
     after_kernel: list[str] = []
 
     def profile(frame, event, arg):
-        if event != "call":
+        if event != "call" or not active[0]:
             return
         path = frame.f_code.co_filename
         if not path.startswith(src):
@@ -73,11 +74,18 @@ def trace_decode(model_dir: Path, prompt_len: int = 40) -> dict:
         if step == 2 and frame.f_code.co_name == KERNEL:
             kernel_reached[0] = True
 
-    sys.setprofile(profile)
+    # generate() runs in the caller's thread, the steps in the engine core's loop thread
+    # (started by the warm-up, which installs the profile it inherits, still inactive).
+    threading.setprofile(profile)
     try:
+        llm.generate([prompt], max_new_tokens=2, ignore_eos=True, use_tqdm=False)  # warm-up
+        sys.setprofile(profile)
+        active[0] = True
         llm.generate([prompt], max_new_tokens=2, ignore_eos=True, use_tqdm=False)
     finally:
+        active[0] = False
         sys.setprofile(None)
+        threading.setprofile(None)
     if len(phases) != 3 or not kernel_reached[0]:
         raise RuntimeError(f"expected setup + prefill + decode phases reaching {KERNEL}, got "
                            f"{len(phases) - 1} steps")

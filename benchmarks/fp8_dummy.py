@@ -66,8 +66,9 @@ def write_config(path: Path, smoke: bool) -> Path:
 
 
 def load_and_generate(path, args, device):
+    """Load dummy weights, measure, generate.  Returns ``(row, tokens)`` and keeps no
+    reference to the engine or its tensors, so :func:`release` can free them."""
     import chunklocal
-    from chunklocal.models.loader import weights
 
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -78,12 +79,7 @@ def load_and_generate(path, args, device):
                          cuda_graphs=device.type == "cuda")
     if device.type == "cuda":
         torch.cuda.synchronize()
-    load_s = time.perf_counter() - start
-    tensors = weights(llm.model)
-    row = {"load_s": round(load_s, 2),
-           "weight_gib": sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30,
-           "fp8_weight_gib": sum(t.numel() for t in tensors.values()
-                                 if t.dtype == torch.float8_e4m3fn) / 2**30,
+    row = {"load_s": round(time.perf_counter() - start, 2), **weight_gib(llm.model),
            "kv_groups": {name: g.num_blocks for name, g in
                          zip(llm.group_names, llm.groups, strict=True)}}
     # one page of block_size tokens in every layer (all layers' K and V)
@@ -104,11 +100,32 @@ def load_and_generate(path, args, device):
     seconds = time.perf_counter() - start
     row.update(generate_s=round(seconds, 3), new_tokens=args.num_prompts * args.new_tokens,
                steps=llm.last_stats.steps)
-    del llm
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row, outs
+
+
+def weight_gib(model) -> dict:
+    """GiB of all weights and of the FP8 ones (the tensors dict dies with this frame: a
+    reference left alive would keep every weight on the device after the engine goes)."""
+    from chunklocal.models.loader import weights
+
+    tensors = weights(model)
+    return {"weight_gib": sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30,
+            "fp8_weight_gib": sum(t.numel() for t in tensors.values()
+                                  if t.dtype == torch.float8_e4m3fn) / 2**30}
+
+
+def release(device) -> dict:
+    """Free a dropped engine's device memory before the next load: gc breaks its reference
+    cycles (runner <-> CUDA graphs), and empty_cache hands the caching allocator's blocks
+    back to the driver, whose free memory is what LLM sizes the next KV pool from.
+    Returns what is left, so a leak shows in the JSON."""
+    gc.collect()
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return {"allocated_gib_after_release": torch.cuda.memory_allocated(device) / 2**30,
+            "free_gib_after_release": torch.cuda.mem_get_info(device)[0] / 2**30}
 
 
 def main(argv=None) -> int:
@@ -125,15 +142,20 @@ def main(argv=None) -> int:
         args.max_model_len, args.max_num_batched_tokens = 512, 256
         args.num_prompts, args.prompt_len, args.new_tokens = 2, 40, 4
     device = torch.device(args.device)
+    name = "fp8_dummy_smoke" if args.smoke else "fp8_dummy_scout"
+    result = {"geometry": "smoke" if args.smoke else "scout-17b-16e fp8-dynamic",
+              "args": vars(args) | {"out": str(args.out)}}
     with tempfile.TemporaryDirectory() as tmp:
         path = write_config(Path(tmp), args.smoke)
         first, outs = load_and_generate(path, args, device)
+        first.update(release(device))
+        result["first_load"] = first
+        write_json(name, result, args.out)  # the first load's numbers outlive a failed second
         second, again = load_and_generate(path, args, device)
-    result = {"geometry": "smoke" if args.smoke else "scout-17b-16e fp8-dynamic",
-              "args": vars(args) | {"out": str(args.out)}, "first_load": first,
-              "second_load": second, "same_seed_same_tokens": outs == again}
+        second.update(release(device))
+    result.update(second_load=second, same_seed_same_tokens=outs == again)
     print(json.dumps(result, indent=2, default=str))
-    write_json("fp8_dummy_smoke" if args.smoke else "fp8_dummy_scout", result, args.out)
+    write_json(name, result, args.out)
     return 0 if outs == again else 1
 
 

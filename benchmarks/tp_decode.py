@@ -165,7 +165,8 @@ def floor_bytes(shape: dict, n: int, moe: str, batch: int, context: int) -> dict
 # -- hand-made decode steps -------------------------------------------------------------------
 def decode_step(llm, batch: int, context: int):
     """A DeviceStep of ``batch`` requests at position ``context - 1``, own pages each."""
-    from chunklocal.engine.model_runner import DeviceStep, StepInputs
+    from chunklocal.engine.model_runner import StepInputs
+    from chunklocal.engine.tp_runner import DeviceStep, greedy_views
     from chunklocal.kv_spec import needs_global_pages
 
     pages = -(-context // BLOCK)
@@ -187,7 +188,7 @@ def decode_step(llm, batch: int, context: int):
         table[:, first:] = np.arange(batch * own, dtype=np.int32).reshape(batch, own)
         tables.append(table)
         slots.append(table[:, -1].astype(np.int64) * BLOCK + (context - 1) % BLOCK)
-    return DeviceStep(inputs, tables, slots, np.zeros(batch), None)
+    return DeviceStep(inputs, tables, slots, greedy_views(batch), None)
 
 
 def engine_kv_bytes(shape, n, batch, context, max_batched) -> tuple[int, int]:
@@ -237,6 +238,7 @@ def allreduce_us(probe_out, batch: int) -> float:
 
 def run_cells(args, shape, model_dir, probe_out, rows, save):
     import chunklocal
+    from chunklocal.engine.tp_runner import run_device_step
 
     n = args.tensor_parallel_size
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -253,12 +255,12 @@ def run_cells(args, shape, model_dir, probe_out, rows, save):
             for asked, batch in cells:
                 step = decode_step(llm, batch, context)
                 for _ in range(3):
-                    llm.runner.execute(step)
+                    run_device_step(llm.runner, step)
                 graphs_before = llm.runner.graph_steps
                 times = []
                 for _ in range(args.steps):
                     t0 = time.perf_counter()
-                    llm.runner.execute(step)
+                    run_device_step(llm.runner, step)
                     times.append((time.perf_counter() - t0) * 1e3)
                 floor = floor_bytes(shape, n, moe, batch, context)
                 floor_ms = floor["total"] / probe_out["copy_bytes_per_s"] * 1e3

@@ -128,7 +128,10 @@ def hf_generate(model, prompt, max_new_tokens, eos=None):
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = (eos or [0])[0]
     kwargs = {} if eos else {"min_new_tokens": max_new_tokens}
-    out = model.generate(torch.tensor([prompt], device=model.device),
+    ids = torch.tensor([prompt], device=model.device)
+    # An explicit mask: without one, generate() takes every prompt token equal to the pad
+    # id (eos[0], or 0) for padding and hides it from attention.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids),
                          max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     return out[0, len(prompt):].tolist()
 
@@ -140,7 +143,8 @@ def fake_quant(x: torch.Tensor, scale_ub=None) -> torch.Tensor:
     amax = x.float().abs().amax(-1, keepdim=True)
     if scale_ub is not None:
         amax = amax.clamp(max=scale_ub)
-    scale = amax.clamp(min=1e-12) / 448.0
+    # divided by a tensor: CUDA would multiply by float32(1/448) instead (1 ulp off)
+    scale = amax.clamp(min=1e-12) / amax.new_full((), 448.0)
     q = (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     return (q.float() * scale).to(x.dtype)
 

@@ -173,6 +173,24 @@ def test_fp8_oracle_is_not_the_float_model(scout, tmp_path):
     assert to_oracle < 1e-4 < 1e-2 < to_float
 
 
+@pytest.mark.parametrize("eos", [None, SCOUT["eos_token_id"]], ids=["no-eos", "eos"])
+def test_oracle_generate_sees_prompt_tokens_equal_to_the_pad_id(scout, eos):
+    """hf_generate's tokens are step-by-step argmaxes of full forwards, also when the prompt
+    holds the pad id it gives generate() (0, or eos[0]): left to infer an attention mask,
+    generate() hides such tokens as padding (an FP8 GPU test once failed on it)."""
+    hf, _ = scout
+    pad = (eos or [0])[0]
+    prompt = [pad if i % 5 == 2 else t for i, t in enumerate(PROMPTS[1])]
+    seq, want = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(6):
+            want.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+            if eos and want[-1] in eos:
+                break
+            seq.append(want[-1])
+    assert hf_generate(hf, prompt, 6, eos) == want
+
+
 # -- refused before loading -------------------------------------------------------------------
 
 @pytest.fixture

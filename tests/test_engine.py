@@ -449,8 +449,8 @@ def test_progress_bar_and_summary_line(ckpt, capsys):
     assert "generate" in err and "3/3" in err
     assert "3 requests, 108 prompt + 12 new tokens" in err
     assert f"{len(schedule)} steps, peak virtual batches per step {max(per_step)}," in err
-    assert llm.runner.virtual_batches_per_step == per_step
-    assert llm.runner.tokens_per_step == [sum(e - s for s, e in step) for step in schedule]
+    assert list(llm.runner.virtual_batches_per_step) == per_step
+    assert list(llm.runner.tokens_per_step) == [sum(e - s for s, e in step) for step in schedule]
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from chunklocal._validate import cdiv
 from chunklocal.engine.block_manager import BlockManager, KVGroup
+from chunklocal.engine.sampling import SamplingParams
 from chunklocal.engine.scheduler import Scheduler, propose_ngram
-from chunklocal.engine.sequence import SamplingParams, Sequence, Status
+from chunklocal.engine.sequence import Sequence, Status
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 
 VOCAB = 11
@@ -122,7 +123,7 @@ def test_random_workloads_finish_with_right_tokens(lengths, max_new, max_num_seq
     runner = FakeRunner(groups, scheduler, (max_num_seqs, budget))
     # Repetitive prompts so that prompt lookup finds drafts, some of them right.
     prompts = [rng.integers(0, 3, n).tolist() for n in lengths]
-    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_new, ignore_eos=True)
     seqs = [Sequence(i, p, params, len(groups)) for i, p in enumerate(prompts)]
     for seq in seqs:
         scheduler.add(seq)
@@ -149,7 +150,7 @@ def test_preemption_happens_and_recovers():
     groups = [KVGroup(spec, cdiv(max_model_len, block_size))]
     scheduler = Scheduler(BlockManager(groups, 4, groups[0].num_blocks), 4, 64, max_model_len, 0)
     runner = FakeRunner(groups, scheduler, (4, 64))
-    seqs = [Sequence(i, p, SamplingParams(max_new, ignore_eos=True), 1)
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=max_new, ignore_eos=True), 1)
             for i, p in enumerate(prompts)]
     for seq in seqs:
         scheduler.add(seq)
@@ -189,7 +190,7 @@ def decoding(prompts, k, ignore_eos=True, num_blocks=64):
     spec = FullAttentionSpec(4, 1, 8, torch.float32)
     groups = [KVGroup(spec, num_blocks)]
     scheduler = Scheduler(BlockManager(groups, len(prompts), 16), len(prompts), 256, 64, k)
-    seqs = [Sequence(i, p, SamplingParams(16, ignore_eos=ignore_eos), 1)
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=16, ignore_eos=ignore_eos), 1)
             for i, p in enumerate(prompts)]
     for seq in seqs:
         scheduler.add(seq)
@@ -237,7 +238,7 @@ def test_eos_arriving_as_an_accepted_draft_token_stops_the_request(ignore_eos):
 def test_a_pool_that_cannot_hold_the_next_request_raises_instead_of_spinning():
     groups = [KVGroup(FullAttentionSpec(4, 1, 8, torch.float32), 2)]  # 8 tokens
     scheduler = Scheduler(BlockManager(groups, 1, 8), 1, 64, 32, 0)
-    scheduler.add(Sequence(0, list(range(9)), SamplingParams(4, ignore_eos=True), 1))
+    scheduler.add(Sequence(0, list(range(9)), SamplingParams(max_tokens=4, ignore_eos=True), 1))
     with pytest.raises(RuntimeError, match=r"no request can be scheduled \(1 waiting, 0 running"):
         scheduler.schedule()
 
@@ -249,7 +250,7 @@ def test_requests_that_keep_losing_their_kv_raise_instead_of_looping():
     groups = [KVGroup(FullAttentionSpec(4, 1, 8, torch.float32), 3)]
     scheduler = Scheduler(BlockManager(groups, 1, 8), 1, 4, 32, 0)
     runner = FakeRunner(groups, scheduler, (1, 4))
-    scheduler.add(Sequence(0, list(range(9)), SamplingParams(10, ignore_eos=True), 1))
+    scheduler.add(Sequence(0, list(range(9)), SamplingParams(max_tokens=10, ignore_eos=True), 1))
     steps = 0
     with pytest.raises(RuntimeError, match="no new token in 38 steps .* preemptions"):
         while scheduler.has_work():

@@ -37,6 +37,10 @@ _EXPORTS = {
     "CapacityError": "backends.flashinfer.buffers",
     "LLM": "engine.llm",
     "WorkerError": "engine.workers",
+    "SamplingParams": "engine.sampling",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "EngineCore": "engine.core",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,11 +2,19 @@
 of both published layouts against the float32 oracle (dequantized weights, per-token
 fake-quantized activations) on a model trained to copy, so tokens are confident.
 
+Error model of one FP8 product (``torch._scaled_mm`` / ``torch._scaled_grouped_mm``): the
+operands are the CPU reference's bit for bit (per-token quantization is exact division on
+both devices: see test_per_token_quantization_is_the_cpus_bit_for_bit), the products are
+accumulated (ACC_U below), scaled and biased in the kernel's float32 epilogue and rounded to
+bf16 once.  So every output element obeys
+``|got - want| <= BF16_U |want| + ACC_U sum_k |x_k w_k|`` against the float32 reference.
+
 Skips without CUDA or flashinfer.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import pytest
@@ -27,17 +35,30 @@ from llama4_published import (  # noqa: E402
 from llama4_tiny import copy_prompts, train_copy_llama4  # noqa: E402
 
 import chunklocal  # noqa: E402
-from chunklocal.models.quant import FP8, fp8_grouped_mm, fp8_linear  # noqa: E402
+from chunklocal.models.quant import (  # noqa: E402
+    FP8,
+    dequantize,
+    fp8_grouped_mm,
+    fp8_linear,
+    quantize_per_token,
+)
 
 GEOMETRY = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                 attention_chunk_size=64, intermediate_size=128, intermediate_size_mlp=256)
 LENGTHS = [20, 63, 64, 65, 130, 200, 257, 300]
 NEW = 24
-
-
-def rel_err(a, b):
-    a, b = a.float().cpu(), b.float().cpu()
-    return float((a - b).abs().max() / b.abs().max())
+BF16_U = 2.0 ** -8   # unit roundoff of bf16 (8 significant bits): one rounding to nearest
+# Accumulation error per unit of sum_k |x_k w_k|: float32 would give K * 2**-24; the FP8
+# tensor cores' partial sums are coarser (the H200 needed up to 2**-14 where the quantized
+# operands matched bit for bit), so the bound allows 2**-12.
+ACC_U = 2.0 ** -12
+CLEAR_MARGIN = 1.0   # oracle top-1 minus top-2 logit from which a choice counts as clear
+FORCED_MIN = 0.99    # teacher-forced top-1 agreement with the oracle
+# How far the engine may move the oracle's top-1 minus top-2 logit at any teacher-forced
+# position.  The copy model's choices are 6+ logits clear; on the H200 the FP8 engine moved
+# them by at most ~0.2 logit, as much as the bf16 (non-FP8) engine moves transformers'
+# float32 ones; a wrong scale, expert or offset moves them by whole logits.
+GAP_ERROR_MAX = 1.0
 
 
 def fp8_weights(e, n, k, seed):
@@ -47,19 +68,48 @@ def fp8_weights(e, n, k, seed):
     return (w / scale[..., None]).to(FP8), scale
 
 
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+def error_ratio(got, x, w, scale, want, rows_of=None) -> float:
+    """max over elements of ``|got - want| / (BF16_U |want| + ACC_U sum_k |x_k w_k|)``: at
+    most 1 under the error model above.  ``x``: the bf16 input (quantized here as the kernel
+    quantizes it); ``rows_of``: the expert of each row (grouped), else w has one expert."""
+    x_q, x_scale = quantize_per_token(x.float())
+    x_abs = x_q.float().abs() * x_scale
+    w_abs = dequantize(w, scale).abs()
+    if rows_of is None:
+        abs_sum = x_abs @ w_abs[0].t()
+    else:
+        abs_sum = torch.einsum("mk,mnk->mn", x_abs, w_abs[rows_of])
+    bound = BF16_U * want.abs() + ACC_U * abs_sum
+    return float(((got.float().cpu() - want).abs() / bound).max())
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 1000])
+def test_per_token_quantization_is_the_cpus_bit_for_bit(m):
+    """``amax / 448`` by true division on the GPU too (CUDA's division by a Python scalar is
+    a product with its float32 reciprocal: 1 ulp off for some rows, and ~0.1% of the
+    activations then land on the neighbouring e4m3 value, 1-2% off in the product)."""
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(1)).bfloat16() * 3
+    for ub in (None, 2.0):
+        q_gpu, s_gpu = quantize_per_token(x.cuda(), ub)
+        q_cpu, s_cpu = quantize_per_token(x.float(), ub)
+        assert torch.equal(s_gpu.cpu(), s_cpu)
+        assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 1000])
 def test_scaled_mm_equals_cpu_reference(m):
-    w, scale = fp8_weights(1, 384, 256, seed=m)
+    w, scale = fp8_weights(1, 384, 256, seed=m + 1000)  # seeds apart from x's: uncorrelated
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
-    bias = torch.randn(384).bfloat16()
+    bias = torch.randn(384, generator=torch.Generator().manual_seed(2)).bfloat16()
     got = fp8_linear(x.cuda(), w[0].cuda(), scale[0].cuda(), bias.cuda())
     want = fp8_linear(x.float(), w[0], scale[0], bias.float())
     assert got.dtype == torch.bfloat16 and got.shape == (m, 384)
-    assert rel_err(got, want) < 1e-2
+    assert error_ratio(got, x, w, scale, want) <= 1.0
 
 
-@pytest.mark.parametrize("sizes", [[16, 32, 0, 48], [1, 0, 5, 3, 0, 7, 2, 1], [0, 0, 130, 1]],
-                         ids=["aligned", "ragged", "empty-groups"])
+@pytest.mark.parametrize("sizes", [[16, 32, 0, 48], [1, 0, 5, 3, 0, 7, 2, 1], [0, 0, 130, 1],
+                                   [37, 0, 300, 1, 90, 84]],
+                         ids=["aligned", "ragged", "empty-groups", "prefill-sized"])
 def test_scaled_grouped_mm_equals_cpu_reference(sizes):
     """Expert groups of any size (not multiples of 16, empty ones too), as routing gives."""
     e, n, k = len(sizes), 256, 128
@@ -69,13 +119,86 @@ def test_scaled_grouped_mm_equals_cpu_reference(sizes):
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     got = fp8_grouped_mm(x.cuda(), w.cuda(), scale.cuda(), offs.cuda())
     want = fp8_grouped_mm(x.float(), w, scale, offs)
-    assert rel_err(got[:m], want) < 1e-2
+    rows_of = torch.repeat_interleave(torch.arange(e), torch.tensor(sizes))
+    assert error_ratio(got[:m], x, w, scale, want, rows_of) <= 1.0
+
+
+@torch.inference_mode()
+def test_scaled_grouped_mm_replays_in_a_cuda_graph_with_new_routing():
+    """Decode steps replay one captured grouped GEMM with other offsets every step."""
+    e, n, k, m = 6, 256, 128, 8
+    w, scale = fp8_weights(e, n, k, seed=5)
+    w, scale = w.cuda(), scale.cuda()
+    x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+    offs = torch.zeros(e, dtype=torch.int32, device="cuda")
+    fp8_grouped_mm(x, w, scale, offs)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_grouped_mm(x, w, scale, offs)
+    for seed, sizes in enumerate([[8, 0, 0, 0, 0, 0], [1, 2, 0, 3, 1, 1], [0, 0, 0, 0, 0, 8]]):
+        x.copy_(torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16())
+        offs.copy_(torch.tensor(sizes).cumsum(0))
+        graph.replay()
+        eager = fp8_grouped_mm(x, w, scale, offs)
+        assert torch.equal(out, eager), sizes
 
 
 def same_fraction(outs_a, outs_b):
     pairs = [(x, y) for a, b in zip(outs_a, outs_b, strict=True)
              for x, y in zip(a, b, strict=True)]
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
+
+
+def copy_period(prompt) -> int:
+    """Repeat period of a copy prompt: every next token from this position on is determined."""
+    return next(p for p in range(1, len(prompt) + 1)
+                if all(prompt[i] == prompt[i - p] for i in range(p, len(prompt))))
+
+
+@torch.inference_mode()
+def oracle_report(llm, oracle, prompts, outs) -> dict:
+    """The engine's tokens ``outs`` against the oracle's, free-running and teacher-forced.
+
+    Teacher-forced: the engine's own logits (``prompt_logits``: its prefill path) over
+    prompt + the oracle's continuation, position by position where the next token is
+    determined (from the copy period on), against the oracle's logits of the same prefix;
+    ``gap`` is the oracle's top-1 minus top-2 logit and ``gap_error`` how far the engine
+    moves that difference.  Free-running: per prompt, the first position where the tokens
+    part and the oracle's gap there (one flip changes every later prefix, so later tokens
+    are not compared)."""
+    refs = [hf_generate(oracle, p, len(out)) for p, out in zip(prompts, outs, strict=True)]
+    seqs = [p + r for p, r in zip(prompts, refs, strict=True)]
+    forced, gap_error, logit_error, misses, rows = [], [], [], [], []
+    for prompt, ref, out, seq, eng in zip(prompts, refs, outs, seqs, llm.prompt_logits(seqs),
+                                          strict=True):
+        want = oracle(torch.tensor([seq], device=oracle.device)).logits[0].float().cpu()
+        top = want.topk(2, dim=-1)
+        gap = top.values[:, 0] - top.values[:, 1]
+        eng_gap = (eng.gather(1, top.indices[:, :1]) - eng.gather(1, top.indices[:, 1:]))[:, 0]
+        span = slice(copy_period(prompt), len(seq) - 1)
+        same = eng.argmax(-1) == top.indices[:, 0]
+        forced.append(same[span])
+        gap_error.append((eng_gap - gap)[span].abs())
+        logit_error.append((eng - want).abs().amax(-1)[span])
+        misses += [(len(prompt), i, float(gap[i])) for i in range(span.start, span.stop)
+                   if not same[i] and gap[i] >= CLEAR_MARGIN]
+        first = next((i for i, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b),
+                     None)
+        at = len(prompt) - 1 + (first or 0)
+        tight = len(prompt) - 1 + int(gap[len(prompt) - 1:-1].argmin())  # closest call
+        rows.append(dict(prompt_len=len(prompt), first_diff=first,
+                         oracle_gap=float(gap[at]), oracle_top2=top.indices[at].tolist(),
+                         engine_token=None if first is None else out[first],
+                         engine_forced_token=int(eng[at].argmax()),
+                         engine_forced_gap=float(eng_gap[at]),
+                         tightest=(tight - len(prompt) + 1, float(gap[tight]),
+                                   float(eng_gap[tight]))))
+    forced, gap_error, logit_error = (torch.cat(t) for t in (forced, gap_error, logit_error))
+    q = torch.tensor([0.5, 0.9, 0.99, 1.0])
+    return dict(free_agree=same_fraction(outs, refs), refs=refs, prompts=rows,
+                forced_agree=float(forced.float().mean()), forced_positions=len(forced),
+                clear_misses=misses, gap_error_q=gap_error.quantile(q).tolist(),
+                logit_error_q=logit_error.quantile(q).tolist())
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +218,13 @@ def trained(tmp_path_factory):
     return hf, text
 
 
-@pytest.mark.parametrize("layout", ["compressed-tensors", "fbgemm_fp8"])
-@torch.inference_mode()
-def test_fp8_tokens_match_the_fake_quant_oracle_on_a_trained_model(trained, tmp_path, layout):
-    hf, text = trained
+def fp8_checkpoint(hf, text, path, layout):
+    """(checkpoint dir, activation_scale_ub) of ``hf`` quantized in a published layout."""
     if layout == "compressed-tensors":
+        if importlib.util.find_spec("compressed_tensors") is None:
+            pytest.fail("compressed-tensors is not installed here; carry its wheels and its "
+                        "needs (pydantic, pydantic-core, loguru, annotated-types, "
+                        "typing-inspection) to make this layout's fixture")
         tensors, qc = compressed_tensors_fp8(hf)
         ub = None
     else:
@@ -107,7 +232,14 @@ def test_fp8_tokens_match_the_fake_quant_oracle_on_a_trained_model(trained, tmp_
         tensors, ub = fbgemm_fp8(hf, skip), 1200.0
         qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": ub,
               "modules_to_not_convert": ["self_attn", "router", "language_model.lm_head"]}
-    path = write_published(tmp_path, text, tensors, multimodal=True, quantization_config=qc)
+    return write_published(path, text, tensors, multimodal=True, quantization_config=qc), ub
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "fbgemm_fp8"])
+@torch.inference_mode()
+def test_fp8_tokens_match_the_fake_quant_oracle_on_a_trained_model(trained, tmp_path, layout):
+    hf, text = trained
+    path, ub = fp8_checkpoint(hf, text, tmp_path, layout)
     oracle = fp8_oracle(hf, read_tensors(path), scale_ub=ub).cuda()
     prompts = copy_prompts(LENGTHS, seed=1, vocab=128)
     llm = chunklocal.LLM(path, device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
@@ -116,14 +248,23 @@ def test_fp8_tokens_match_the_fake_quant_oracle_on_a_trained_model(trained, tmp_
     assert experts.w13.dtype == FP8 and experts.w13.is_cuda
     outs = llm.generate(prompts, max_new_tokens=NEW, ignore_eos=True)
     assert llm.runner.graph_steps > 0
-    refs = [hf_generate(oracle, p, NEW) for p in prompts]
-    plain = [hf_generate(hf.cuda(), p, NEW) for p in prompts]
-    hf.cpu()
-    agree = same_fraction(outs, refs)
-    print(f"\n{layout}: FP8 engine = float32 fake-quant oracle on {agree:.1%} of "
-          f"{len(prompts)}x{NEW} tokens (= unquantized float32 model on "
-          f"{same_fraction(outs, plain):.1%})")
-    assert agree >= 0.95
+    report = oracle_report(llm, oracle, prompts, outs)
+    print(f"\n{layout}: FP8 engine = float32 fake-quant oracle on {report['free_agree']:.1%} "
+          f"of {len(prompts)}x{NEW} free-running tokens; teacher-forced top-1 on "
+          f"{report['forced_agree']:.2%} of {report['forced_positions']} positions, "
+          f"|gap error| quantiles 50/90/99/100% {report['gap_error_q']}")
+    check_report(report)
+
+
+def check_report(report) -> None:
+    """The same tokens as the oracle, free-running (the issue's bar: every choice of this
+    model is clear, so rounding has nothing to flip), and teacher-forced position by
+    position, with the engine's logit gaps within GAP_ERROR_MAX of the oracle's."""
+    parted = [row for row in report["prompts"] if row["first_diff"] is not None]
+    assert report["free_agree"] == 1.0, parted
+    assert report["forced_agree"] >= FORCED_MIN, report["forced_agree"]
+    assert not report["clear_misses"], "(prompt, position, oracle gap) of clear choices missed"
+    assert report["gap_error_q"][-1] <= GAP_ERROR_MAX, report["gap_error_q"]
 
 
 def test_dummy_fp8_scout_shaped_same_seed_same_tokens(tmp_path):

@@ -77,13 +77,17 @@ class CudaGraphs:
         b = self.batch_sizes[int(np.searchsorted(self.batch_sizes, n))]
         return b, q
 
-    def replay(self, layout, input_ids: np.ndarray, positions: np.ndarray,
+    def replay(self, layout, input_ids, positions: np.ndarray,
                slot_mappings) -> torch.Tensor:
-        """Copy one step's inputs into the static buffers (padding the rest) and replay."""
+        """Copy one step's inputs into the static buffers (padding the rest) and replay.
+        ``input_ids``: a numpy array, or the step's tokens already on the device (an
+        overlapped step reads its placeholders from the step before it there)."""
         batch_size, query_len = layout
         rows = input_ids.shape[0]
         padded = batch_size * query_len
-        self.input_ids[:rows].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        if isinstance(input_ids, np.ndarray):
+            input_ids = torch.from_numpy(input_ids)
+        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
         self.positions[:rows].copy_(torch.from_numpy(positions), non_blocking=True)
         self.input_ids[rows:padded].zero_()
         self.positions[rows:padded].zero_()

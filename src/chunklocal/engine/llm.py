@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import sys
-import time
-from dataclasses import dataclass
+import threading
 from pathlib import Path
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from chunklocal._validate import as_bool, as_int, cdiv, check_chunk_geometry
 from chunklocal.backends.base import EngineLimits, Kind
 from chunklocal.bounds.closed_forms import max_virtual_batches
 from chunklocal.engine.block_manager import BlockManager, KVGroup, available_memory
-from chunklocal.engine.requests import (
-    check_device,
-    check_prompts,
-    check_temperature,
-    load_tokenizer,
-    torch_dtype,
-)
+from chunklocal.engine.requests import check_device, check_prompts, load_tokenizer, torch_dtype
 from chunklocal.engine.runner_setup import RunnerSetup, build_runner
+from chunklocal.engine.sampling import generation_config_defaults
 from chunklocal.engine.scheduler import Scheduler
-from chunklocal.engine.sequence import SamplingParams, Sequence
+from chunklocal.engine.stats import GenerateStats
 from chunklocal.engine.workers import OwnsWorkers, start_workers
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 from chunklocal.models.llama4_config import generation_eos, layer_kind, read_config
@@ -33,29 +24,6 @@ from chunklocal.models.parallel import TPGroup
 from chunklocal.models.sharding import check_tensor_parallel, kv_head_split
 
 KV_MEMORY_FRACTION = 0.4  # of free GPU memory / available RAM, when num_kv_blocks is None
-
-
-@dataclass
-class GenerateStats:
-    requests: int
-    prompt_tokens: int
-    new_tokens: int
-    steps: int
-    seconds: float
-    peak_virtual_batches: int
-    preemptions: int
-    draft_tokens: int
-    accepted_tokens: int
-    peak_blocks: dict
-
-    def summary(self) -> str:
-        tps = (self.prompt_tokens + self.new_tokens) / max(self.seconds, 1e-9)
-        return (f"{self.requests} requests, {self.prompt_tokens} prompt + {self.new_tokens} new "
-                f"tokens in {self.seconds:.2f} s ({tps:.0f} tokens/s, "
-                f"{self.new_tokens / max(self.seconds, 1e-9):.1f} new tokens/s), {self.steps} "
-                f"steps, peak virtual batches per step {self.peak_virtual_batches}, "
-                f"preemptions {self.preemptions}, drafts accepted {self.accepted_tokens}/"
-                f"{self.draft_tokens}, peak KV blocks {self.peak_blocks}")
 
 
 class LLM(OwnsWorkers):
@@ -71,11 +39,20 @@ class LLM(OwnsWorkers):
     frees pages before the current chunk); False merges every layer into one
     group that keeps every page.  ``cuda_graphs``: replay decode and verify steps
     as CUDA graphs (FlashInfer only).  ``num_speculative_tokens``: prompt-lookup
-    draft length k, verified in one step; greedy output equals k = 0.
-    ``seed``: sampling seed for temperature > 0, and the seed of ``load_format="dummy"``
-    weights.  ``load_format``: "auto"/"safetensors" read the checkpoint (index-following,
-    FP8 kept FP8: see models/loader.py); "dummy" makes random weights of its config's
-    shapes and dtypes on the device, reading only config.json.
+    draft length k, verified in one step; greedy output equals k = 0 (only greedy
+    requests without penalties are drafted).
+    ``seed``: the generator of sampled requests that have no seed of their own, and the
+    seed of ``load_format="dummy"`` weights.  ``load_format``: "auto"/"safetensors" read
+    the checkpoint (index-following, FP8 kept FP8: see models/loader.py); "dummy" makes
+    random weights of its config's shapes and dtypes on the device, reading only
+    config.json.
+    ``generation_config``: "auto" (vLLM's default) fills the sampling fields a
+    ``SamplingParams`` leaves unset from the checkpoint's generation_config.json;
+    "none" (or "vllm") keeps SamplingParams' own defaults; a directory reads its
+    generation_config.json.  ``max_waiting_requests``: how many requests may wait
+    for admission in ``llm.core`` before add_request refuses (None: no limit).
+    ``async_scheduling``: prepare step n+1 on the host while the device runs step n
+    (engine/overlap.py; off with speculative decoding or penalties), same outputs.
 
     Everything is checked before any weight loads: config.json (and
     generation_config.json, whose EOS ids stop generation too), the tensors' names,
@@ -84,13 +61,21 @@ class LLM(OwnsWorkers):
     ranks 0..N-1 on cuda:0..N-1 (or the CPU, over gloo); ``moe_parallel``: "tp"
     splits each expert's inner size, "ep" gives each rank num_local_experts / N
     whole experts.  Call :meth:`shutdown` (or ``del llm``, or use ``with``) to end them.
+    The engine core drives the ranks; rank 0 samples (engine/tp_runner.py).  Under
+    N > 1 ``async_scheduling`` is refused (the ranks run one step at a time).
+
+    Every call is a client of one ``EngineCore`` (``llm.core``, a loop thread started
+    on first use), so several threads may call generate() / prompt_logits() at once;
+    each gets exactly what it would get alone (greedy).  ``last_stats`` is the
+    calling thread's latest call's ``GenerateStats`` (see engine/stats.py).
     """
 
     def __init__(self, model, *, device="cpu", dtype=None, max_num_seqs=256,
                  max_num_batched_tokens=8192, max_model_len=None, block_size=16,
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto",
-                 tensor_parallel_size=1, moe_parallel="tp"):
+                 generation_config="auto", max_waiting_requests=None,
+                 async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp"):
         self.model_dir = Path(model)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model must be a checkpoint directory with config.json and "
@@ -121,6 +106,27 @@ class LLM(OwnsWorkers):
         if num_kv_blocks is not None and as_int(num_kv_blocks, "num_kv_blocks") <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {num_kv_blocks!r}")
         seed = as_int(seed, "seed")
+        if max_waiting_requests is not None and as_int(max_waiting_requests,
+                                                       "max_waiting_requests") <= 0:
+            raise ValueError(f"max_waiting_requests must be positive or None, got "
+                             f"{max_waiting_requests!r}")
+        self.max_waiting_requests = max_waiting_requests
+        self.async_scheduling = as_bool(async_scheduling, "async_scheduling")
+        if self.async_scheduling and n > 1:
+            raise ValueError(f"async_scheduling is not supported with tensor_parallel_size "
+                             f"{n} > 1 (the ranks run one step at a time): pass "
+                             f"async_scheduling=False")
+        if generation_config == "auto":
+            # dummy weights read nothing but config.json
+            self.default_sampling = ({} if load_format == "dummy"
+                                     else generation_config_defaults(self.model_dir))
+        elif generation_config in ("none", "vllm", None):
+            self.default_sampling = {}
+        elif Path(generation_config).is_dir():
+            self.default_sampling = generation_config_defaults(generation_config)
+        else:
+            raise ValueError(f"generation_config must be 'auto', 'none' or a directory, got "
+                             f"{generation_config!r}")
         self.max_model_len = int(max_model_len)
         chunk = config.attention_chunk_size
         if chunk is not None:
@@ -180,8 +186,9 @@ class LLM(OwnsWorkers):
         else:  # every rank loads its slices, builds its backends and captures its graphs
             self.runner = self.workers.start_runners(setup, self.block_manager)
         self._tokenizer = None
-        self._next_id = 0
-        self.last_stats: GenerateStats | None = None
+        self._core = None
+        self._core_lock = threading.Lock()
+        self._local = threading.local()
 
     # -- construction -------------------------------------------------------------------------
     def _spec(self, kind, kv_dtype):
@@ -256,6 +263,13 @@ class LLM(OwnsWorkers):
         self.group_names = [name for name, *_ in groups]
         return [KVGroup(spec, size) for _, spec, size, *_ in groups], kind_to_group
 
+    def shutdown(self) -> None:
+        """Stop the engine core's loop and end the tensor-parallel workers (idempotent)."""
+        core = self.__dict__.get("_core")
+        if core is not None:
+            core.shutdown()
+        super().shutdown()
+
     # -- requests -----------------------------------------------------------------------------
     @property
     def tokenizer(self):
@@ -269,82 +283,42 @@ class LLM(OwnsWorkers):
                              self.config.vocab_size, self.max_model_len,
                              room_for_new_tokens, self.image_token_index)
 
-    def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
-                 ignore_eos: bool = False, use_tqdm: bool | None = None):
-        """New tokens per prompt (ids, or strings when the prompts are strings).
+    @property
+    def core(self):
+        """The engine core every call goes through (made and started on first use)."""
+        with self._core_lock:
+            if self._core is None or self._core.closed:
+                from chunklocal.engine.core import EngineCore
+
+                EngineCore(self)
+            return self._core
+
+    @property
+    def last_stats(self) -> GenerateStats | None:
+        """The calling thread's latest generate() / prompt_logits() call (None before)."""
+        return getattr(self._local, "stats", None)
+
+    def generate(self, prompts, sampling_params=None, *, max_new_tokens: int | None = None,
+                 temperature: float | None = None, ignore_eos: bool | None = None,
+                 use_tqdm: bool | None = None):
+        """Two forms.  ``generate(prompts, max_new_tokens=16, temperature=0.0,
+        ignore_eos=False)`` returns new token ids per prompt (strings for string
+        prompts), greedy unless asked; generation_config.json does not apply.
+        ``generate(prompts, sampling_params)`` (one ``SamplingParams`` or one per
+        prompt) returns a ``RequestOutput`` per prompt, in order.
 
         Every prompt is checked before any work starts; a bad one raises
         ValueError naming its index and value.  ``use_tqdm=None`` shows the
         progress bar and the summary line only for calls longer than 2 s.
         """
-        check_temperature(temperature)
-        ignore_eos = as_bool(ignore_eos, "ignore_eos")
-        if use_tqdm is not None:
-            use_tqdm = as_bool(use_tqdm, "use_tqdm")
-        token_lists, as_text = self._check_prompts(prompts, max_new_tokens)
-        params = SamplingParams(int(max_new_tokens), float(temperature), ignore_eos)
-        seqs = self._run(token_lists, params, use_tqdm)
-        outputs = [seq.output_ids for seq in seqs]
-        if as_text:
-            return [self.tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
-        return outputs
+        from chunklocal.engine import client
 
-    @torch.inference_mode()
+        return client.generate(self, prompts, sampling_params, max_new_tokens, temperature,
+                               ignore_eos, use_tqdm)
+
     def prompt_logits(self, prompts, last_only: bool = False) -> list[torch.Tensor]:
         """float32 logits [prompt_len, vocab] (or [1, vocab]) per prompt, from a normal
         engine run (same batching, chunked prefill and KV paging as generate())."""
-        # The one token sampled after the prompt is never computed: a prompt may fill
-        # max_model_len exactly.
-        token_lists, _ = self._check_prompts(prompts, 1, room_for_new_tokens=False)
-        self.runner.capture, self.runner.capture_last_only = {}, as_bool(last_only, "last_only")
-        try:
-            seqs = self._run(token_lists, SamplingParams(1, 0.0, True), use_tqdm=False)
-            return [torch.cat(self.runner.capture[s.seq_id]) for s in seqs]
-        finally:
-            self.runner.capture = None
+        from chunklocal.engine import client
 
-    def _run(self, token_lists, params, use_tqdm):
-        seqs = []
-        for ids in token_lists:
-            seqs.append(Sequence(self._next_id, ids, params, len(self.groups)))
-            self._next_id += 1
-        try:
-            return self._run_to_completion(seqs, params, use_tqdm)
-        except BaseException:
-            # KeyboardInterrupt, CapacityError, ...: no request may keep pages or
-            # stay queued, or the next generate() would run it too.
-            self.scheduler.abort_all()
-            raise
-
-    def _run_to_completion(self, seqs, params, use_tqdm):
-        for seq in seqs:
-            self.scheduler.add(seq)
-        sched = self.scheduler
-        start, steps = time.perf_counter(), 0
-        counters_before = (sched.num_preemptions, sched.num_draft_tokens, sched.num_accepted)
-        self.runner.peak_virtual_batches = 0
-        self.runner.virtual_batches_per_step, self.runner.tokens_per_step = [], []
-        bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=use_tqdm is False,
-                   delay=0.0 if use_tqdm else 2.0, file=sys.stderr)
-        while sched.has_work():
-            batch = sched.schedule()
-            temps = np.full(len(batch.seqs), params.temperature)
-            sampled = self.runner.run(batch, temps)
-            if self.runner.peak_virtual_batches > self.max_virtual_batches:
-                raise RuntimeError(f"{self.runner.peak_virtual_batches} virtual batches in one "
-                                   f"step exceed the bound {self.max_virtual_batches}")
-            bar.update(len(sched.postprocess(batch, sampled, self.eos_ids)))
-            steps += 1
-        shown = not bar.disable and (use_tqdm or time.perf_counter() - start > 2.0)
-        bar.close()
-        preempted, drafted, accepted = (now - before for now, before in zip(
-            (sched.num_preemptions, sched.num_draft_tokens, sched.num_accepted),
-            counters_before, strict=True))
-        self.last_stats = GenerateStats(
-            len(seqs), sum(s.num_prompt_tokens for s in seqs),
-            sum(s.num_generated for s in seqs), steps, time.perf_counter() - start,
-            self.runner.peak_virtual_batches, preempted, drafted, accepted,
-            {g: grp.peak_used for g, grp in zip(self.group_names, self.groups, strict=True)})
-        if shown:
-            print(self.last_stats.summary(), file=sys.stderr)
-        return seqs
+        return client.prompt_logits(self, prompts, last_only)

@@ -8,15 +8,15 @@ the single group (the one build prepares both).  This is the only place a batch
 becomes attention metadata: decode and verify steps that replay a CUDA graph
 (engine/cuda_graphs.py) get theirs from the same ``build_steps``.
 
-A step has a host half and a device half: :meth:`ModelRunner.host_step` turns the
-scheduled batch into a :class:`DeviceStep` of numpy arrays, :meth:`ModelRunner.execute`
-runs it (metadata, forward, sampling).  With tensor parallelism the host half runs
-once, in the caller's process, and every rank executes the same DeviceStep
-(engine/workers.py), building its own metadata.
+With tensor parallelism (engine/tp_runner.py) the host half of :meth:`launch`
+(``prepare``, ``group_inputs``, ``capture_rows``) runs once in the caller's process and
+every rank runs :meth:`forward` on the same inputs; rank 0 samples with its
+:class:`Sampler`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from itertools import chain
 
@@ -26,6 +26,7 @@ import torch
 from chunklocal._validate import cdiv
 from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.engine.block_manager import BlockManager
+from chunklocal.engine.sampler import DeviceSample, Sampler, SampleResult, to_device
 from chunklocal.engine.scheduler import ScheduledBatch
 from chunklocal.virtual_batches import virtual_batches_per_request
 
@@ -42,15 +43,24 @@ class StepInputs:
 
 
 @dataclass
-class DeviceStep:
-    """Everything a rank needs to run one step: numpy only (tensor-parallel workers get
-    it pickled).  Attention metadata is not in it: each rank builds its own."""
+class StepOutput:
+    tokens: list[np.ndarray]    # per request: the tokens chosen at its logit rows
+    sample: SampleResult        # per logit row (tokens, logprobs)
+    row_bounds: np.ndarray      # [N+1]: request i owns rows row_bounds[i]:row_bounds[i+1]
 
-    inputs: StepInputs
-    tables: list            # [N, W] int32 block table per KV group
-    slots: list             # [T] int64 flat cache row of each token, per KV group
-    temperatures: np.ndarray  # per logit row
-    capture_rows: np.ndarray | None  # token rows whose float32 logits execute() returns
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens are not on the host yet."""
+    batch: ScheduledBatch
+    sample: DeviceSample
+    row_bounds: np.ndarray      # [N+1] logit rows per request
+    used_graph: bool            # replayed a CUDA graph (no FlashInfer plan() staging)
+    step: int = 0               # the engine core's step number
+
+
+#: Steps whose statistics the runner keeps (a server runs for ever: bounded).
+STEP_HISTORY = 1 << 16
 
 
 class ModelRunner:
@@ -64,15 +74,20 @@ class ModelRunner:
         self.chunk_size = chunk_size
         self.device = torch.device(device)
         self.block_size = self.groups[0].block_size
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.sampler = Sampler(self.device, seed)
         self.peak_virtual_batches = 0
-        self.virtual_batches_per_step: list[int] = []
-        self.tokens_per_step: list[int] = []
+        #: The latest STEP_HISTORY steps, oldest first.
+        self.virtual_batches_per_step: deque[int] = deque(maxlen=STEP_HISTORY)
+        self.tokens_per_step: deque[int] = deque(maxlen=STEP_HISTORY)
+        self.step_virtual_batches = 0  # of the latest step
         #: When a dict, run() stores the logits of every prompt position there,
-        #: by request id (see LLM.prompt_logits); ``capture_last_only`` keeps
-        #: just each prompt's last position.
+        #: by request id, for every request; ``capture_last_only`` keeps
+        #: just each prompt's last position.  Requests with ``seq.capture`` set
+        #: (LLM.prompt_logits) get theirs in ``seq.captured`` instead; ``capturing``
+        #: counts them (the engine core keeps it), so other steps skip the check.
         self.capture: dict | None = None
         self.capture_last_only = False
+        self.capturing = 0
         self.graphs = None
         self.graph_steps = 0
         if model is not None:  # None: the host half of a tensor-parallel engine
@@ -134,9 +149,10 @@ class ModelRunner:
                                                 inputs.seq_lens, self.chunk_size).sum())
         self.peak_virtual_batches = max(self.peak_virtual_batches, count)
         self.virtual_batches_per_step.append(count)
+        self.step_virtual_batches = count
 
-    def group_inputs(self, batch: ScheduledBatch, inputs: StepInputs):
-        """Block table and slot mapping (numpy) of every KV group."""
+    def group_inputs(self, batch: ScheduledBatch, inputs: StepInputs, on_device=True):
+        """Block table (numpy) and slot mapping (device, or numpy) of every KV group."""
         row_of_token = np.repeat(np.arange(len(batch.seqs)), np.diff(inputs.query_start_loc))
         width = max(1, int(cdiv(inputs.seq_lens.max(), self.block_size)))
         tables, slots = [], []
@@ -145,7 +161,7 @@ class ModelRunner:
             pages = table[row_of_token, inputs.positions // self.block_size].astype(np.int64)
             slot = pages * self.block_size + inputs.positions % self.block_size
             tables.append(table)
-            slots.append(slot)
+            slots.append(to_device(slot, self.device) if on_device else slot)
         return tables, slots
 
     def build_steps(self, query_start_loc, seq_lens, tables, slot_mappings, *,
@@ -157,72 +173,81 @@ class ModelRunner:
         return {kind: AttentionStep(self.backends[g], metadata[g], slot_mappings[g], kind)
                 for kind, g in self.kind_to_group.items()}
 
-    def run(self, batch: ScheduledBatch, temperatures: np.ndarray) -> list[np.ndarray]:
+    def run(self, batch: ScheduledBatch) -> StepOutput:
         """One forward step; the chosen tokens of each request (empty when none)."""
-        step = self.host_step(batch, temperatures)
-        tokens, logits = self.execute(step)
-        if logits is not None:
-            self._store_captured(batch, step, logits)
-        bounds = np.searchsorted(step.inputs.logit_owner, np.arange(len(batch.seqs) + 1))
-        return [tokens[bounds[i]:bounds[i + 1]] for i in range(len(batch.seqs))]
+        return self.collect(self.launch(batch))
 
-    def host_step(self, batch: ScheduledBatch, temperatures: np.ndarray) -> DeviceStep:
+    def collect(self, launched: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's tokens (only that step's copies, not later work)."""
+        sample, bounds = launched.sample.result(), launched.row_bounds
+        tokens = sample.tokens
+        return StepOutput([tokens[bounds[i]:bounds[i + 1]] for i in range(bounds.shape[0] - 1)],
+                          sample, bounds)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step.  With ``prev`` (launched, not collected), input tokens that are
+        still placeholders (-1: ``prev``'s own samples) are read from ``prev`` on the
+        device, so this step needs no wait for ``prev`` (engine/overlap.py)."""
         inputs = self.prepare(batch)
         self.tokens_per_step.append(int(inputs.query_start_loc[-1]))
         self._count_virtual_batches(inputs)
         tables, slots = self.group_inputs(batch, inputs)
-        capture_rows = None
-        if self.capture is not None:
-            prompt_len = np.repeat([s.num_prompt_tokens for s in batch.seqs],
-                                   np.diff(inputs.query_start_loc))
-            keep = inputs.positions < prompt_len
-            if self.capture_last_only:
-                keep &= inputs.positions == prompt_len - 1
-            capture_rows = np.flatnonzero(keep)
-        return DeviceStep(inputs, tables, slots, temperatures[inputs.logit_owner], capture_rows)
-
-    @torch.inference_mode()
-    def execute(self, step: DeviceStep):
-        """(chosen tokens per logit row, float32 CPU logits of ``capture_rows`` or None)."""
-        inputs = step.inputs
-        slots = [torch.from_numpy(slot).to(self.device) for slot in step.slots]
         layout = None
         if self.graphs is not None:
             layout = self.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
-        steps = self.build_steps(inputs.query_start_loc, inputs.seq_lens, step.tables, slots,
+        input_ids = to_device(inputs.input_ids, self.device)
+        holes = np.flatnonzero(inputs.input_ids < 0) if prev is not None else ()
+        if len(holes):
+            owner = np.searchsorted(inputs.query_start_loc, holes, side="right") - 1
+            src = np.fromiter((batch.seqs[i].placeholder_row for i in owner), np.int64,
+                              owner.shape[0])
+            input_ids[to_device(holes, self.device)] = \
+                prev.sample.tokens_dev[to_device(src, self.device)]
+        hidden = self.forward(inputs, tables, slots, input_ids, layout)
+        if self.capture is not None or self.capturing:
+            rows = self.capture_rows(batch.seqs, inputs)
+            if rows is not None:
+                logits = self.logits(hidden[torch.from_numpy(rows).to(self.device)]).cpu()
+                self.store_captured(batch.seqs, inputs, rows, logits)
+        rows = hidden[to_device(inputs.logit_rows, self.device)]
+        sample = self.sampler.launch(self.logits(rows), batch.seqs, inputs.logit_owner)
+        bounds = np.searchsorted(inputs.logit_owner, np.arange(len(batch.seqs) + 1))
+        return LaunchedStep(batch, sample, bounds, layout is not None)
+
+    def forward(self, inputs: StepInputs, tables, slots, input_ids, layout):
+        """Hidden states of every token (``slots``, ``input_ids``: on the device)."""
+        steps = self.build_steps(inputs.query_start_loc, inputs.seq_lens, tables, slots,
                                  graph_batch_size=layout[0] if layout else None)
         if layout is not None:
-            hidden = self.graphs.replay(layout, inputs.input_ids, inputs.positions, slots)
             self.graph_steps += 1
-        else:
-            hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
-                                torch.from_numpy(inputs.positions).to(self.device), steps)
-        logits = None
-        if step.capture_rows is not None and step.capture_rows.size:
-            rows = torch.from_numpy(step.capture_rows).to(self.device)
-            logits = self.logits(hidden[rows]).cpu()
-        tokens = self.sample(hidden[torch.from_numpy(inputs.logit_rows).to(self.device)],
-                             step.temperatures)
-        return tokens, logits
+            return self.graphs.replay(layout, input_ids, inputs.positions, slots)
+        return self.model(input_ids, to_device(inputs.positions, self.device), steps)
 
-    def _store_captured(self, batch, step: DeviceStep, logits):
-        owner = np.searchsorted(step.inputs.query_start_loc, step.capture_rows, side="right") - 1
+    def capture_rows(self, seqs, inputs) -> np.ndarray | None:
+        """Token rows whose logits are captured this step (None when none)."""
+        if self.capture is None:
+            mode = [s.capture for s in seqs]
+        else:
+            mode = ["last" if self.capture_last_only else "all"] * len(seqs)
+        per_token = np.diff(inputs.query_start_loc)
+        prompt_len = np.repeat([s.num_prompt_tokens for s in seqs], per_token)
+        last_only = np.repeat([m == "last" for m in mode], per_token)
+        keep = (inputs.positions < prompt_len) & np.repeat([m is not None for m in mode],
+                                                           per_token)
+        keep &= ~last_only | (inputs.positions == prompt_len - 1)
+        rows = np.flatnonzero(keep)
+        return rows if rows.size else None
+
+    def store_captured(self, seqs, inputs, rows, logits):
+        owner = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1
         for i in np.unique(owner):
-            seq = batch.seqs[int(i)]
-            self.capture.setdefault(seq.seq_id, []).append(logits[torch.from_numpy(owner == i)])
+            seq = seqs[int(i)]
+            part = logits[torch.from_numpy(owner == i)]
+            if self.capture is None:
+                seq.captured.append(part)
+            else:
+                self.capture.setdefault(seq.seq_id, []).append(part)
 
     def logits(self, hidden):
         return self.model.compute_logits(hidden).float()
-
-    def sample(self, hidden, temperatures: np.ndarray) -> np.ndarray:
-        if hidden.shape[0] == 0:
-            return np.zeros(0, dtype=np.int64)
-        logits = self.logits(hidden)
-        greedy = logits.argmax(dim=-1)
-        if not (temperatures > 0).any():
-            return greedy.cpu().numpy()
-        temp = torch.from_numpy(np.maximum(temperatures, 1e-6)).to(logits)
-        probs = torch.softmax(logits / temp[:, None], dim=-1)
-        drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        chosen = torch.where(torch.from_numpy(temperatures > 0).to(logits.device), drawn, greedy)
-        return chosen.cpu().numpy()

@@ -83,7 +83,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self.tokens_left += seq.num_prompt_tokens + seq.params.max_new_tokens
+        self.tokens_left += seq.num_prompt_tokens + seq.params.max_tokens
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -104,9 +104,22 @@ class Scheduler:
         self.tokens_left = self.steps_without_token = 0
         return dropped
 
+    def abort(self, seq: Sequence) -> bool:
+        """Drop one unfinished request and give back its pages now; False if not here."""
+        if seq.status is Status.FINISHED:
+            return False
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = Status.FINISHED
+        self.tokens_left -= seq.num_prompt_tokens + seq.params.max_tokens
+        return True
+
     def _draft(self, seq: Sequence) -> list[int]:
-        if seq.params.temperature > 0:
-            return []  # drafts are verified greedily
+        if not seq.params.plain_greedy:
+            return []  # drafts are verified by the argmax of the raw logits
         k = min(self.num_speculative_tokens, seq.remaining_new_tokens - 1,
                 self.max_model_len - len(seq))
         draft = propose_ngram(seq.token_ids, k)
@@ -202,15 +215,23 @@ class Scheduler:
             self.num_draft_tokens += len(draft)
             self.num_accepted += accepted
             self.steps_without_token = 0
+            seq.num_draft_tokens += len(draft)
+            seq.num_accepted += accepted
+            stop_ids = seq.params.stop_token_ids
             for token in [*draft[:accepted], int(tokens[accepted])]:
                 seq.token_ids.append(token)
-                stop = (token in eos_ids and not seq.params.ignore_eos)
-                if stop or seq.remaining_new_tokens == 0 or len(seq) >= self.max_model_len:
+                if token in eos_ids and not seq.params.ignore_eos:
+                    seq.finish_reason = "stop"
+                elif token in stop_ids:
+                    seq.finish_reason, seq.stop_reason = "stop", token
+                elif seq.remaining_new_tokens == 0 or len(seq) >= self.max_model_len:
+                    seq.finish_reason = "length"
+                if seq.finish_reason is not None:
                     seq.status = Status.FINISHED
                     break
             if seq.status is Status.FINISHED:
                 self.block_manager.free(seq)
-                self.tokens_left -= seq.num_prompt_tokens + seq.params.max_new_tokens
+                self.tokens_left -= seq.num_prompt_tokens + seq.params.max_tokens
                 finished.append(seq)
         if finished:  # one pass, order kept (not one list.remove per finished request)
             self.running = [s for s in self.running if s.status is not Status.FINISHED]

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+from chunklocal.engine.sampling import SamplingParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"    # no KV blocks (new, or preempted and to be recomputed)
     RUNNING = "running"    # holds KV blocks for its computed tokens
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    ignore_eos: bool = False
 
 
 class Sequence:
@@ -26,6 +20,10 @@ class Sequence:
     (position // block_size).  A chunked group frees the pages before the
     current chunk; their entries stay as placeholders (page 0) that no
     attention row ever reads, so a column index is always a logical page.
+
+    ``params.max_tokens`` must be an int here (the engine core resolves None).
+    ``finish_reason`` / ``stop_reason`` are set by whoever finishes it (scheduler:
+    EOS, stop token, length; engine core: stop string, abort).
     """
 
     def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams,
@@ -42,6 +40,23 @@ class Sequence:
         #: Row of the block manager's numpy tables while the request holds pages.
         self.row: int | None = None
         self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        #: float64 row of sampling parameters (engine/sampler.py), set by the engine core.
+        self.sampling_row = None
+        #: The seeded request's own torch.Generator (made by the sampler on first use).
+        self.generator = None
+        #: "all" / "last": the runner keeps this request's prompt logits (prompt_logits).
+        self.capture: str | None = None
+        self.captured: list = []
+        #: The engine core's Sample this sequence feeds (engine/stream.py).
+        self.sample = None
+        #: Overlapped steps (engine/overlap.py): index in token_ids of the token still on
+        #: the device, and its row in that step's samples.
+        self.placeholder_index: int | None = None
+        self.placeholder_row = 0
 
     def __len__(self):
         return len(self.token_ids)
@@ -65,4 +80,4 @@ class Sequence:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return self.params.max_new_tokens - self.num_generated
+        return self.params.max_tokens - self.num_generated

@@ -1,7 +1,7 @@
 """Tensor parallelism: one worker process per rank, driven by the caller's process.
 
 The caller's process keeps the scheduler and the block manager and never joins the
-process group: it pickles each step's :class:`~chunklocal.engine.model_runner.DeviceStep`
+process group: it pickles each step's :class:`~chunklocal.engine.tp_runner.DeviceStep`
 once and sends the same bytes to every rank.  Each rank builds its own attention
 metadata, runs its slice of the model (collectives over torch.distributed: NCCL
 on GPUs, gloo on the CPU) and rank 0 sends back the sampled tokens.
@@ -30,7 +30,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from chunklocal.engine.model_runner import ModelRunner
+from chunklocal.engine.tp_runner import RemoteRunner, execute
 
 _STOP = b"stop"
 #: Seconds a stopping worker gets to tear down its process group before it is killed.
@@ -97,9 +97,9 @@ def _serve(rank: int, size: int, args: WorkerArgs, conn) -> None:
         if payload == _STOP:
             break
         step_id, step = pickle.loads(payload)
-        tokens, logits = runner.execute(step)
+        out = execute(runner, step, sample=rank == 0)
         if rank == 0:
-            conn.send(("step", step_id, tokens, logits, runner.graph_steps))
+            conn.send(("step", step_id, out))
     if cuda:
         torch.cuda.synchronize(device)
     dist.destroy_process_group()
@@ -171,7 +171,7 @@ class Workers:
                             runner_setup.chunk_size)
 
     def step(self, device_step):
-        """Run one step on every rank: (tokens, logits, rank 0's graph steps so far)."""
+        """Run one step on every rank: rank 0's StepResult (engine/tp_runner.py)."""
         if self.failure is not None:
             raise WorkerError(f"the tensor-parallel workers were stopped earlier: {self.failure}")
         step_id, self._next_step = self._next_step, self._next_step + 1
@@ -181,7 +181,7 @@ class Workers:
         while True:  # results of an interrupted earlier step may still be queued
             msg = self._receive([0], "step")[0]
             if msg[1] == step_id:
-                return msg[2], msg[3], msg[4]
+                return msg[2]
 
     def close(self, grace: float = STOP_GRACE_S) -> None:
         """Stop every worker (idempotent); those not gone after ``grace`` s are killed."""
@@ -285,16 +285,3 @@ def start_workers(size: int, model_dir, device: torch.device, dtype, moe_paralle
     return Workers(size, dict(model_dir=str(model_dir), device_type=device.type, dtype=dtype,
                               moe_parallel=moe_parallel, load_format=load_format, seed=seed,
                               num_threads=threads))
-
-
-class RemoteRunner(ModelRunner):
-    """The host half of a tensor-parallel engine: it prepares steps, the ranks run them."""
-
-    def __init__(self, workers: Workers, block_manager, kind_to_group, chunk_size):
-        super().__init__(None, block_manager, kind_to_group, [], "cpu", None,
-                         chunk_size=chunk_size)
-        self.workers = workers
-
-    def execute(self, step):
-        tokens, logits, self.graph_steps = self.workers.step(step)
-        return tokens, logits

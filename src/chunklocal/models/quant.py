@@ -39,7 +39,11 @@ def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None, amax_redu
         amax = amax_reduce(amax)
     if scale_ub is not None:
         amax = amax.clamp(max=float(scale_ub))
-    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    # A tensor divisor, not the Python float: CUDA divides a tensor by a Python scalar as a
+    # product with the scalar's float32 reciprocal, 1 ulp off ``amax / 448`` for some rows,
+    # and a scale 1 ulp off sends ~0.1% of the activations to the neighbouring e4m3 value
+    # (a 1-2% error in the products).  True division gives the CPU's bits on every device.
+    scale = amax.clamp(min=AMAX_FLOOR) / amax.new_full((), FP8_MAX)
     x_fp8 = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return x_fp8, scale
 
@@ -59,11 +63,17 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias=Non
         return x.new_zeros(out_shape)
     x_fp8, scale = quantize_per_token(x, act_scale_ub, amax_reduce)
     if x.is_cuda:
-        # b must be column-major: w [N, K] row-major transposed is exactly that.
+        # b must be column-major: w [N, K] row-major transposed is exactly that.  A bf16
+        # bias (the dtype the H200's torch 2.11 was seen to take) is added in the kernel's
+        # float32 epilogue, so the output is rounded to bf16 once; added to the bf16
+        # product afterwards it would round twice.
+        fused = bias is not None and bias.dtype == torch.bfloat16
         out = torch._scaled_mm(x_fp8, w.t(), scale_a=scale, scale_b=w_scale.float().view(1, -1),
-                               out_dtype=torch.bfloat16)
-    else:
-        out = (x_fp8.float() * scale) @ dequantize(w, w_scale).t()
+                               bias=bias if fused else None, out_dtype=torch.bfloat16)
+        if bias is not None and not fused:
+            out = out.float() + bias
+        return out.to(x.dtype)
+    out = (x_fp8.float() * scale) @ dequantize(w, w_scale).t()
     if bias is not None:
         out = out + bias
     return out.to(x.dtype)

@@ -1,0 +1,115 @@
+"""``LLM.generate`` and ``LLM.prompt_logits``: clients of the engine core.
+
+A call checks all its prompts first (nothing is queued if one is bad), submits its
+requests together, and waits for all of them.  Any error while waiting (a failed step,
+KeyboardInterrupt) aborts the call's remaining requests before it propagates, so none
+keeps pages or runs on after the call is gone.  Safe from several threads at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from chunklocal._validate import as_bool
+from chunklocal.engine.requests import check_temperature
+from chunklocal.engine.sampling import SamplingParams
+from chunklocal.engine.stats import call_stats
+
+_call_ids = itertools.count()
+
+
+def generate(llm, prompts, sampling_params, max_new_tokens, temperature, ignore_eos,
+             use_tqdm):
+    if use_tqdm is not None:
+        use_tqdm = as_bool(use_tqdm, "use_tqdm")
+    if isinstance(sampling_params, int) and not isinstance(sampling_params, bool):
+        max_new_tokens, sampling_params = sampling_params, None  # old positional form
+    if sampling_params is None:
+        return _generate_tokens(llm, prompts, 16 if max_new_tokens is None else max_new_tokens,
+                                0.0 if temperature is None else temperature,
+                                ignore_eos is not None and as_bool(ignore_eos, "ignore_eos"),
+                                use_tqdm)
+    if (max_new_tokens, temperature, ignore_eos) != (None, None, None):
+        raise ValueError("pass max_new_tokens / temperature / ignore_eos inside the "
+                         "SamplingParams, not beside it")
+    token_lists, as_text = llm._check_prompts(prompts, 1, room_for_new_tokens=False)
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * len(token_lists)
+    if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != len(
+            token_lists):
+        raise ValueError(f"sampling_params must be one SamplingParams or a list of "
+                         f"{len(token_lists)} (one per prompt)")
+    core, call = llm.core, next(_call_ids)
+    texts = prompts if as_text else [None] * len(token_lists)
+    requests = []
+    for i, (ids, params, text) in enumerate(zip(token_lists, sampling_params, texts,
+                                                strict=True)):
+        try:
+            requests.append(core.make_request(ids, params, f"generate-{call}-{i}", text))
+        except ValueError as err:
+            raise ValueError(f"prompt {i}: {err}") from None
+    _wait(llm, requests, use_tqdm)
+    return [r.stream.result() for r in requests]
+
+
+def _generate_tokens(llm, prompts, max_new_tokens, temperature, ignore_eos, use_tqdm):
+    check_temperature(temperature)
+    token_lists, as_text = llm._check_prompts(prompts, max_new_tokens)
+    # Every sampling field set: generation_config.json leaves the old call alone.
+    params = SamplingParams(max_tokens=int(max_new_tokens), temperature=float(temperature),
+                            ignore_eos=ignore_eos, top_p=1.0, top_k=0, min_p=0.0,
+                            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    core, call = llm.core, next(_call_ids)
+    requests = [core.make_request(ids, params, f"generate-{call}-{i}", detokenize=False)
+                for i, ids in enumerate(token_lists)]
+    _wait(llm, requests, use_tqdm)
+    outputs = [r.samples[0].token_ids for r in requests]
+    if as_text:
+        return [llm.tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
+    return outputs
+
+
+@torch.inference_mode()
+def prompt_logits(llm, prompts, last_only: bool) -> list[torch.Tensor]:
+    last_only = as_bool(last_only, "last_only")
+    # The one token sampled after the prompt is never computed: a prompt may fill
+    # max_model_len exactly.
+    token_lists, _ = llm._check_prompts(prompts, 1, room_for_new_tokens=False)
+    core, call = llm.core, next(_call_ids)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    requests = [core.make_request(ids, params, f"logits-{call}-{i}", detokenize=False,
+                                  capture="last" if last_only else "all",
+                                  apply_defaults=False)
+                for i, ids in enumerate(token_lists)]
+    _wait(llm, requests, False)
+    # A preempted request recomputes its prompt from position 0: its last pass is whole.
+    return [torch.cat(r.samples[0].seq.captured)[-(1 if last_only else len(ids)):]
+            for r, ids in zip(requests, token_lists, strict=True)]
+
+
+def _wait(llm, requests, use_tqdm) -> None:
+    """Submit a call's requests and wait for all; on any error abort the rest first."""
+    core = llm.core
+    start = time.perf_counter()
+    bar = tqdm(total=len(requests), desc="generate", unit="req", disable=use_tqdm is False,
+               delay=0.0 if use_tqdm else 2.0, file=sys.stderr)
+    try:
+        core.submit(requests)
+        for req in requests:
+            req.stream.result()
+            bar.update(1)
+    except BaseException:
+        for req in requests:
+            core.abort(req.request_id, wait=True)
+        raise
+    finally:
+        shown = not bar.disable and (use_tqdm or time.perf_counter() - start > 2.0)
+        bar.close()
+    llm._local.stats = call_stats(core, requests, time.perf_counter() - start)
+    if shown:
+        print(llm._local.stats.summary(), file=sys.stderr)

@@ -1,0 +1,154 @@
+"""One iteration of the engine core's loop: schedule, run, then publish what changed.
+
+Kept apart from core.py (the client API and the loop's commands) so each stays short.
+Runs on the loop thread only.
+"""
+
+from __future__ import annotations
+
+import time
+
+from chunklocal.engine.overlap import overlappable, provisional, resolve
+from chunklocal.engine.sequence import Status
+
+
+def run_step(core) -> None:
+    """One step.  Any exception fails every request in the engine (see core.py)."""
+    llm, sched = core.llm, core.scheduler
+    try:
+        batch = sched.schedule()
+        if not batch.seqs:
+            # Every request waits for pages that no running request will free.
+            raise RuntimeError(f"no request could be scheduled ({len(sched.waiting)} waiting, "
+                               f"{len(sched.running)} running): the KV pool cannot hold them")
+        out = llm.runner.run(batch)
+        virtual = llm.runner.step_virtual_batches
+        if virtual > llm.max_virtual_batches:
+            raise RuntimeError(f"{virtual} virtual batches in one step exceed the bound "
+                               f"{llm.max_virtual_batches}")
+        core.num_steps += 1
+        core.step_log.append((virtual, int(sum(batch.num_new)),
+                              tuple(g.num_used for g in llm.groups)))
+        sched.postprocess(batch, out.tokens, llm.eos_ids)
+        _publish(core, batch, out)
+    except BaseException as err:  # noqa: B036 - handed to the requests' streams
+        fail_all(core, err)
+
+
+def launch_step(core, prev=None):
+    """Schedule and queue one step (async_scheduling); None when nothing could be
+    scheduled while ``prev`` is still in flight (its results may free pages)."""
+    llm, sched = core.llm, core.scheduler
+    batch = sched.schedule()
+    if not batch.seqs:
+        if prev is not None:
+            return None
+        raise RuntimeError(f"no request could be scheduled ({len(sched.waiting)} waiting, "
+                           f"{len(sched.running)} running): the KV pool cannot hold them")
+    launched = llm.runner.launch(batch, prev)
+    virtual = llm.runner.step_virtual_batches
+    if virtual > llm.max_virtual_batches:
+        raise RuntimeError(f"{virtual} virtual batches in one step exceed the bound "
+                           f"{llm.max_virtual_batches}")
+    core.num_steps += 1
+    launched.step = core.num_steps
+    core.step_log.append((virtual, int(sum(batch.num_new)),
+                          tuple(g.num_used for g in llm.groups)))
+    return launched
+
+
+def step_async(core, pending):
+    """One loop iteration with async_scheduling (engine/overlap.py); the step left in
+    flight (or None).  Any exception fails every request in the engine."""
+    llm, sched = core.llm, core.scheduler
+    try:
+        if pending is None:
+            return launch_step(core) if sched.has_work() else None
+        if not overlappable(core, pending):
+            out = llm.runner.collect(pending)
+            sched.postprocess(pending.batch, out.tokens, llm.eos_ids)
+            _publish(core, pending.batch, out, pending.step)
+            return None
+        provisional(sched, pending)
+        launched = launch_step(core, pending) if sched.has_work() else None
+        out = llm.runner.collect(pending)
+        resolve(sched, pending, out, llm.eos_ids)
+        _publish(core, pending.batch, out, pending.step)
+        return launched
+    except BaseException as err:  # noqa: B036 - handed to the requests' streams
+        fail_all(core, err)
+        return None
+
+
+def fail_all(core, err: BaseException) -> None:
+    """Free every page and fail every request still in the engine with ``err``."""
+    core.scheduler.abort_all()
+    for req in list(core._requests.values()):
+        with req.stream._cond:
+            for sample in req.samples:
+                sample.finish("abort")
+            core._finish(req, error=err)
+
+
+def _publish(core, batch, out, step=None) -> None:
+    """Per request that advanced: take its tokens, then finish or publish it, under its
+    stream's lock once (a request of n > 1 samples publishes after all of them)."""
+    multi = {}
+    now, step = time.monotonic(), core.num_steps if step is None else step
+    for i, seq in enumerate(batch.seqs):
+        req = seq.sample.request
+        if req.first_step is None:
+            req.first_step = step
+        req.last_step = step
+        if len(out.tokens[i]) == 0 or seq.sample.finish_reason is not None:
+            continue  # a prefill piece short of the prompt's end, or finished meanwhile
+        with req.stream._cond:
+            _advance(core, seq.sample, seq, out, i, now)
+            if len(req.samples) > 1:
+                multi[req.request_id] = req
+            elif seq.sample.finish_reason is not None:
+                core._finish(req)
+            else:
+                req.stream._publish()
+    for req in multi.values():
+        with req.stream._cond:
+            if req.finished:
+                core._finish(req)
+            else:
+                req.stream._publish()
+
+
+def _advance(core, sample, seq, out, i: int, now: float) -> None:
+    """Move the step's new tokens of ``seq`` into its sample: text, stop strings, logprobs."""
+    req, params = sample.request, sample.params
+    new = seq.token_ids[seq.num_prompt_tokens + len(sample.token_ids):]
+    if new and req.first_token_time is None:
+        req.first_token_time = now
+    row0, result = int(out.row_bounds[i]), out.sample
+    for j, token in enumerate(new):
+        # A final EOS or stop token id adds no text (vLLM), unless asked to.
+        terminal = j == len(new) - 1 and seq.finish_reason == "stop"
+        hit = None
+        if sample.detok is not None and (not terminal or params.include_stop_str_in_output):
+            hit = sample.detok.add(token)
+        sample.token_ids.append(token)
+        core.generation_tokens_total += 1
+        if sample.logprobs is not None:
+            row = row0 + j
+            entry = {}
+            if params.logprobs:
+                entry = dict(zip(result.topk_ids[row, :params.logprobs].tolist(),
+                                 result.topk_logprobs[row, :params.logprobs].tolist(),
+                                 strict=True))
+            logprob = float(result.token_logprobs[row])
+            entry[token] = logprob
+            sample.logprobs.append(entry)
+            sample.cumulative_logprob += logprob
+        if hit is not None:  # a stop string: later tokens of this step are dropped
+            if seq.status is not Status.FINISHED:
+                core.scheduler.abort(seq)  # frees its pages now
+            seq.finish_reason, seq.stop_reason = "stop", hit
+            sample.finish("stop", hit)
+            return
+    if seq.status is Status.FINISHED:
+        sample.finish(seq.finish_reason, seq.stop_reason)

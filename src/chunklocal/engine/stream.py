@@ -1,0 +1,185 @@
+"""A request's live state and the stream that hands its snapshots to a client.
+
+The engine core's loop thread is the only writer: it updates a request's samples and
+then publishes (``_publish``) under the stream's condition.  Readers (any thread, or
+an asyncio task) build a snapshot under the same condition, so a snapshot never mixes
+two steps.  Snapshots are cumulative, so a slow reader simply skips to the latest one:
+nothing queues up behind it and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from chunklocal.engine.detokenize import IncrementalDetokenizer
+from chunklocal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+class Sample:
+    """One of a request's ``n`` samples: what has been emitted so far."""
+
+    def __init__(self, request, index: int, params, tokenizer):
+        self.request, self.index, self.params = request, index, params
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None \
+            else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detok = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, params.skip_special_tokens, params.stop,
+            params.include_stop_str_in_output)
+        self.seq = None  # its engine Sequence
+
+    @property
+    def text(self) -> str:
+        return "" if self.detok is None else self.detok.visible_text
+
+    def finish(self, reason: str, stop_reason=None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.stop_reason = reason, stop_reason
+            if self.detok is not None:
+                self.detok.finish()
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            self.index, self.text, list(self.token_ids),
+            None if self.logprobs is None else self.cumulative_logprob,
+            None if self.logprobs is None else list(self.logprobs),
+            self.finish_reason, self.stop_reason)
+
+
+class Request:
+    """A client request: prompt, params and ``n`` samples (loop-thread state)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params, prompt,
+                 arrival_time: float):
+        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
+        self.params, self.prompt = params, prompt
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.samples: list[Sample] = []
+        self.error: BaseException | None = None
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        self.stream = RequestStream(self)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def metrics(self) -> RequestMetrics:
+        ttft = tpot = None
+        if self.first_token_time is not None:
+            ttft = self.first_token_time - self.arrival_time
+            longest = max(len(s.token_ids) for s in self.samples)
+            if self.finished_time is not None and longest > 1:
+                tpot = (self.finished_time - self.first_token_time) / (longest - 1)
+        return RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time,
+                              ttft, tpot)
+
+    def snapshot(self) -> RequestOutput:
+        # prompt_token_ids is shared, not copied per snapshot: treat it as read-only.
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [s.output() for s in self.samples], self.finished, self.metrics())
+
+
+class RequestStream:
+    """Iterate (blocking, any thread) or ``async for`` over ``aiter()`` to get cumulative
+    ``RequestOutput`` snapshots; the last has ``finished=True``.  If the engine failed the
+    request (a step raised), iteration raises that error.  Leaving an ``aiter()`` loop
+    before the end (a client gone) aborts the request."""
+
+    def __init__(self, request: Request):
+        self._request = request
+        self.request_id = request.request_id
+        self._cond = threading.Condition()
+        self._version = 0
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._abort = None  # set by the engine core: callable(wait: bool)
+        self._done = threading.Event()  # set after the final publish (result() waits here)
+        self._sync_readers = 0  # threads inside __iter__'s wait (skip notify_all without)
+
+    # -- writer side (engine loop) ---------------------------------------------------------
+    def _publish(self) -> None:
+        """Call with ``_cond`` held, after changing the request's state."""
+        self._version += 1
+        if self._request.finished or self._request.error is not None:
+            self._done.set()
+        if self._sync_readers:
+            self._cond.notify_all()
+        for loop, event in self._waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that event loop is closed: its reader is gone
+                pass
+
+    # -- reader side -------------------------------------------------------------------------
+    def _take(self, seen: int):
+        """(version, snapshot, done) if newer than ``seen``, else None; raises the error."""
+        req = self._request
+        if req.error is not None:
+            raise req.error
+        if self._version == seen:
+            return None
+        return self._version, req.snapshot(), req.finished
+
+    def __iter__(self):
+        seen = 0
+        while True:
+            with self._cond:
+                got = self._take(seen)
+                while got is None:
+                    self._sync_readers += 1
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._sync_readers -= 1
+                    got = self._take(seen)
+            seen, snapshot, done = got
+            yield snapshot
+            if done:
+                return
+
+    async def aiter(self):
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        seen, done = 0, False
+        try:
+            while True:
+                event.clear()
+                with self._cond:
+                    got = self._take(seen)
+                if got is None:
+                    await event.wait()
+                    continue
+                seen, snapshot, done = got
+                yield snapshot
+                if done:
+                    return
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, event))
+            if not done and self._request.error is None:
+                self.abort(wait=False)  # reader gone before the end
+
+    def result(self) -> RequestOutput:
+        """Block until the request finishes; its final snapshot (or raise its error).
+        Waits without building the snapshots in between."""
+        self._done.wait()
+        with self._cond:
+            if self._request.error is not None:
+                raise self._request.error
+            return self._request.snapshot()
+
+    @property
+    def finished(self) -> bool:
+        with self._cond:
+            return self._request.finished or self._request.error is not None
+
+    def abort(self, wait: bool = False) -> None:
+        """Same as ``EngineCore.abort(self.request_id, wait)``."""
+        self._abort(wait)

@@ -1,0 +1,109 @@
+"""Several threads calling ``LLM.generate`` / ``prompt_logits`` on one LLM (issue 13).
+
+Oracle: each call's own sequential greedy run on the same engine (greedy float32 on the
+CPU is batch-invariant here: the engine already matches transformers one prompt at a
+time, see test_engine.py).  Before the engine core, two threads cut one thread's
+outputs to 3 of 20 tokens and gave the other an unrelated numpy error.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from llama4_tiny import write_tiny_llama4
+
+import chunklocal
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama4_threads")
+    write_tiny_llama4(path, seed=0)
+    return chunklocal.LLM(path, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=160)
+
+
+def prompts_for(call: int, count: int = 3):
+    rng = random.Random(call)
+    return [[rng.randrange(512) for _ in range(rng.randrange(3, 60))] for _ in range(count)]
+
+
+def run_threads(target, num_threads):
+    results, errors = [None] * num_threads, []
+
+    def work(i):
+        try:
+            results[i] = target(i)
+        except BaseException as err:  # noqa: B036 - reported below, with its thread
+            errors.append((i, err))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a generate() call hung"
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("repeat", range(3))
+def test_threads_each_get_their_sequential_greedy_outputs(llm, repeat):
+    num_threads, new = 4, 20
+    prompts = [prompts_for(10 * repeat + i) for i in range(num_threads)]
+    want = [llm.generate(p, max_new_tokens=new, ignore_eos=True) for p in prompts]
+    assert all(len(out) == new for outs in want for out in outs)
+    got = run_threads(lambda i: llm.generate(prompts[i], max_new_tokens=new, ignore_eos=True),
+                      num_threads)
+    assert got == want
+    assert not llm.scheduler.has_work()
+    assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+
+
+def test_threads_mixing_generate_prompt_logits_and_sampling(llm):
+    """Threads calling different entry points at once: each result equals its sequential
+    run (logits to 1e-5), and each thread's last_stats is of its own call."""
+    from chunklocal.engine.sampling import SamplingParams
+
+    prompts = [prompts_for(100 + i, count=2 + i % 2) for i in range(6)]
+    seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=15) for i in range(3)]
+
+    def call(i):
+        if i % 3 == 0:
+            return llm.generate(prompts[i], max_new_tokens=12 + i, ignore_eos=True)
+        if i % 3 == 1:
+            return llm.prompt_logits(prompts[i], last_only=i == 4)
+        outs = llm.generate(prompts[i], seeded[:len(prompts[i])])
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = [call(i) for i in range(6)]
+    stats = {}
+
+    def threaded(i):
+        result = call(i)
+        stats[i] = llm.last_stats
+        return result
+
+    got = run_threads(threaded, 6)
+    for i in range(6):
+        if i % 3 == 1:
+            for a, b in zip(got[i], want[i], strict=True):
+                assert a.shape == b.shape
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        else:
+            assert got[i] == want[i], i
+        assert stats[i].requests == len(prompts[i])
+        assert stats[i].prompt_tokens == sum(map(len, prompts[i]))
+        new = {0: 12 + i, 1: 1, 2: 15}[i % 3]
+        assert stats[i].new_tokens == new * len(prompts[i])
+    assert llm.last_stats is None or llm.last_stats.requests  # the main thread's own
