@@ -71,9 +71,9 @@ def child(model_dir: str, batch: int, context: int, new_tokens: int) -> dict:
                          max_model_len=context + new_tokens + 8)
     run, times = llm.runner.run, []
 
-    def timed(sched_batch, temperatures):
+    def timed(sched_batch, *rest):  # (batch) now, (batch, temperatures) in older trees
         start = time.perf_counter()
-        out = run(sched_batch, temperatures)
+        out = run(sched_batch, *rest)
         times.append(((time.perf_counter() - start) * 1e3, sum(sched_batch.num_new)))
         return out
 
