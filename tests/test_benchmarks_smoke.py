@@ -154,6 +154,33 @@ def test_dense_alternatives_match_independent_oracle():
         torch.testing.assert_close(ref, expected[index], rtol=1e-9, atol=1e-9)
 
 
+def test_tp_decode_smoke(tmp_path):
+    """Two gloo ranks on the CPU, tiny model: every cell runs, floors and all-reduce are set."""
+    from benchmarks import tp_decode
+
+    assert tp_decode.main(["--smoke", "--moe", "tp", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "tp_decode_smoke.json")
+    rows = data["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(2, 20), (4, 20), (2, 70), (4, 70)]
+    assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 and r["allreduce_ms"] > 0 for r in rows)
+    # 4 layers: 2 all-reduces each (attention, MoE) + the embedding's
+    assert {r["allreduce_calls"] for r in rows} == {9}
+
+
+def test_decode_ab_smoke(tmp_path):
+    """Both children run (here the same tree twice) and the ratio is written."""
+    from pathlib import Path
+
+    from benchmarks import decode_ab
+
+    root = str(Path(decode_ab.__file__).resolve().parents[1])
+    assert decode_ab.main(["--a", root, "--b", root, "--smoke", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "decode_ab_smoke.json")
+    assert [r["tree"] for r in data["rows"]] == ["A", "B"]
+    assert all(r["decode_ms"] > 0 and r["decode_steps"] > 0 for r in data["rows"])
+    assert data["b_over_a"] > 0
+
+
 def test_decode_trace_counts_files_to_the_kernel(tmp_path):
     """The decode-path trace reaches the kernel; issue 15 measured 11 files on the CPU path,
     the engine core (issue 13: a loop thread, streams, per-request sampling) made it 17

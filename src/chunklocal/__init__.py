@@ -36,6 +36,7 @@ _EXPORTS = {
     "MetadataBuffers": "backends.flashinfer.buffers",
     "CapacityError": "backends.flashinfer.buffers",
     "LLM": "engine.llm",
+    "WorkerError": "engine.workers",
     "SamplingParams": "engine.sampling",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",

@@ -50,8 +50,9 @@ class EngineCore:
         existing = getattr(llm, "_core", None)
         if existing is not None and not existing.closed:
             raise ValueError("this LLM already has a running EngineCore: use llm.core")
-        # Weak: the LLM owns its core; a loop thread must not keep a dropped LLM (and its
-        # weights and KV cache) alive.  The thread holds the core only while it works.
+        # Weak: the LLM owns its core; a loop thread must not keep a dropped LLM (its
+        # weights, KV cache and tensor-parallel workers) alive.  The thread holds the core
+        # only while it works (see LLM.shutdown).
         self._llm = weakref.ref(llm)
         self.scheduler = llm.scheduler
         if max_waiting_requests is None:

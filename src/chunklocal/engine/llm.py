@@ -11,19 +11,22 @@ from chunklocal._validate import as_bool, as_int, cdiv, check_chunk_geometry
 from chunklocal.backends.base import EngineLimits, Kind
 from chunklocal.bounds.closed_forms import max_virtual_batches
 from chunklocal.engine.block_manager import BlockManager, KVGroup, available_memory
-from chunklocal.engine.model_runner import ModelRunner
 from chunklocal.engine.requests import check_device, check_prompts, load_tokenizer, torch_dtype
+from chunklocal.engine.runner_setup import RunnerSetup, build_runner
 from chunklocal.engine.sampling import generation_config_defaults
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.stats import GenerateStats
+from chunklocal.engine.workers import OwnsWorkers, start_workers
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 from chunklocal.models.llama4_config import generation_eos, layer_kind, read_config
 from chunklocal.models.loader import LOAD_FORMATS, load_model, plan_load
+from chunklocal.models.parallel import TPGroup
+from chunklocal.models.sharding import check_tensor_parallel, kv_head_split
 
 KV_MEMORY_FRACTION = 0.4  # of free GPU memory / available RAM, when num_kv_blocks is None
 
 
-class LLM:
+class LLM(OwnsWorkers):
     """Serve a Llama-4 checkpoint directory (``config.json`` + ``*.safetensors``).
 
     ``device``: "cpu" (PyTorch reference attention) or "cuda" (FlashInfer by
@@ -54,6 +57,12 @@ class LLM:
     Everything is checked before any weight loads: config.json (and
     generation_config.json, whose EOS ids stop generation too), the tensors' names,
     shapes and dtypes, and whether the KV pool holds one request of max_model_len.
+    ``tensor_parallel_size`` N > 1: one worker process per rank (engine/workers.py),
+    ranks 0..N-1 on cuda:0..N-1 (or the CPU, over gloo); ``moe_parallel``: "tp"
+    splits each expert's inner size, "ep" gives each rank num_local_experts / N
+    whole experts.  Call :meth:`shutdown` (or ``del llm``, or use ``with``) to end them.
+    The engine core drives the ranks; rank 0 samples (engine/tp_runner.py).  Under
+    N > 1 ``async_scheduling`` is refused (the ranks run one step at a time).
 
     Every call is a client of one ``EngineCore`` (``llm.core``, a loop thread started
     on first use), so several threads may call generate() / prompt_logits() at once;
@@ -66,7 +75,7 @@ class LLM:
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto",
                  generation_config="auto", max_waiting_requests=None,
-                 async_scheduling=False):
+                 async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp"):
         self.model_dir = Path(model)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model must be a checkpoint directory with config.json and "
@@ -79,6 +88,8 @@ class LLM:
                                         as_bool(hybrid_kv_cache, "hybrid_kv_cache"))
         ckpt = read_config(self.model_dir)
         config = self.config = ckpt.text
+        n = self.tensor_parallel_size = check_tensor_parallel(config, tensor_parallel_size,
+                                                              moe_parallel)
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
         elif as_int(max_model_len, "max_model_len") > config.max_position_embeddings:
@@ -101,6 +112,10 @@ class LLM:
                              f"{max_waiting_requests!r}")
         self.max_waiting_requests = max_waiting_requests
         self.async_scheduling = as_bool(async_scheduling, "async_scheduling")
+        if self.async_scheduling and n > 1:
+            raise ValueError(f"async_scheduling is not supported with tensor_parallel_size "
+                             f"{n} > 1 (the ranks run one step at a time): pass "
+                             f"async_scheduling=False")
         if generation_config == "auto":
             # dummy weights read nothing but config.json
             self.default_sampling = ({} if load_format == "dummy"
@@ -140,27 +155,36 @@ class LLM:
             eos.update(generation_eos(self.model_dir))
         self.eos_ids = frozenset(eos)
         self.image_token_index = ckpt.image_token_index
-        plan = plan_load(self.model_dir, ckpt, load_format)  # headers only, all checked
+        # headers only, all checked; with N ranks, rank 0's slices (every rank's size)
+        plan = plan_load(self.model_dir, ckpt, load_format, TPGroup(0, n, None, moe_parallel))
         self.layer_kinds = [layer_kind(config, i) for i in range(config.num_hidden_layers)]
         specs = {kind: self._spec(kind, kv_dtype) for kind in set(self.layer_kinds)}
+        if n > 1:  # the ranks start (and report their free memory) before any weight loads
+            self.workers = start_workers(n, self.model_dir, self.device, kv_dtype,
+                                         moe_parallel, load_format, seed)
         groups, kind_to_group = self._make_groups(specs, hybrid_kv_cache, num_kv_blocks,
-                                                  plan.weight_bytes(kv_dtype))
-        self.model = load_model(plan, self.device, kv_dtype, seed)
+                                                  plan.weight_bytes(kv_dtype),
+                                                  self.workers and self.workers.free_bytes)
+        self.model = load_model(plan, self.device, kv_dtype, seed) if n == 1 else None
         self.groups = groups
         self.max_virtual_batches = (
             max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
                                        self.max_model_len) if chunk else self.max_num_seqs)
-        backends = [self._backend(backend_name, grp, kv_dtype) for grp in groups]
         self.block_manager = BlockManager(groups, self.max_num_seqs,
                                           cdiv(self.max_model_len, self.block_size))
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.num_speculative_tokens, pad_drafts=self.cuda_graphs)
-        self.runner = ModelRunner(self.model, self.block_manager, kind_to_group, backends,
-                                  self.device, kv_dtype, seed, chunk_size=chunk)
-        if self.cuda_graphs:
-            self.runner.enable_cuda_graphs(backends[0].graph_batch_sizes,
-                                           backends[0].graph_query_lens)
+        setup = RunnerSetup(
+            tuple((grp.spec, grp.num_blocks) for grp in groups), kind_to_group, backend_name,
+            EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                         self.block_size),
+            config.num_attention_heads // n, kv_dtype, self.num_speculative_tokens,
+            self.cuda_graphs, seed, chunk)
+        if n == 1:
+            self.runner = build_runner(setup, self.model, self.device, self.block_manager)
+        else:  # every rank loads its slices, builds its backends and captures its graphs
+            self.runner = self.workers.start_runners(setup, self.block_manager)
         self._tokenizer = None
         self._core = None
         self._core_lock = threading.Lock()
@@ -169,17 +193,21 @@ class LLM:
     # -- construction -------------------------------------------------------------------------
     def _spec(self, kind, kv_dtype):
         c = self.config
-        geometry = (self.block_size, c.num_key_value_heads, c.head_dim, kv_dtype)
+        kv_heads = kv_head_split(c.num_key_value_heads, self.tensor_parallel_size)[0]
+        geometry = (self.block_size, kv_heads, c.head_dim, kv_dtype)
         if kind is Kind.CHUNKED:
             return ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=c.attention_chunk_size)
         return FullAttentionSpec(*geometry)
 
-    def _make_groups(self, specs, hybrid, num_kv_blocks, weight_bytes=0):
+    def _make_groups(self, specs, hybrid, num_kv_blocks, weight_bytes=0, free_bytes=None):
         """KV groups sized before the weights load: a pool that cannot hold one request
-        of max_model_len is refused with a max_model_len that fits."""
+        of max_model_len is refused with a max_model_len that fits.  Per rank: specs
+        hold a rank's KV heads, weight_bytes its slices, free_bytes its least free memory."""
         layers_of = {kind: self.layer_kinds.count(kind) for kind in specs}
         whole_seq = cdiv(self.max_model_len, self.block_size)
-        available = available_memory(self.device)
+        available = free_bytes
+        if available is None:  # the CPU's RAM is shared by the ranks of one host
+            available = available_memory(self.device) // self.tensor_parallel_size
         if num_kv_blocks is None:
             per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
             if weight_bytes > available:
@@ -235,23 +263,12 @@ class LLM:
         self.group_names = [name for name, *_ in groups]
         return [KVGroup(spec, size) for _, spec, size, *_ in groups], kind_to_group
 
-    def _backend(self, name, group, kv_dtype):
-        if name == "torch":
-            from chunklocal.backends.torch_ref import TorchRefBackend
-
-            # Plans live where q and the caches do; Hq sizes the memory-bounded groups.
-            return TorchRefBackend(group.spec, num_q_heads=self.config.num_attention_heads,
-                                   device=self.device)
-        from chunklocal.backends.flashinfer import FlashInferBackend
-
-        c = self.config
-        limits = EngineLimits(self.max_num_seqs, self.max_num_batched_tokens,
-                              self.max_model_len, self.block_size)
-        verify_len = self.num_speculative_tokens + 1 if self.num_speculative_tokens else None
-        return FlashInferBackend(
-            group.spec, limits, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-            kv_dtype, self.device, self.cuda_graphs, verify_len=verify_len,
-            scratch_page=group.scratch_page, sm_scale=c.head_dim ** -0.5)
+    def shutdown(self) -> None:
+        """Stop the engine core's loop and end the tensor-parallel workers (idempotent)."""
+        core = self.__dict__.get("_core")
+        if core is not None:
+            core.shutdown()
+        super().shutdown()
 
     # -- requests -----------------------------------------------------------------------------
     @property

@@ -7,6 +7,11 @@ the chunked group, global layers the global group.  Merged mode: both kinds read
 the single group (the one build prepares both).  This is the only place a batch
 becomes attention metadata: decode and verify steps that replay a CUDA graph
 (engine/cuda_graphs.py) get theirs from the same ``build_steps``.
+
+With tensor parallelism (engine/tp_runner.py) the host half of :meth:`launch`
+(``prepare``, ``group_inputs``, ``capture_rows``) runs once in the caller's process and
+every rank runs :meth:`forward` on the same inputs; rank 0 samples with its
+:class:`Sampler`.
 """
 
 from __future__ import annotations
@@ -85,7 +90,8 @@ class ModelRunner:
         self.capturing = 0
         self.graphs = None
         self.graph_steps = 0
-        self._bind_caches(kv_dtype)
+        if model is not None:  # None: the host half of a tensor-parallel engine
+            self._bind_caches(kv_dtype)
 
     def enable_cuda_graphs(self, batch_sizes, query_lens) -> None:
         from chunklocal.engine.cuda_graphs import CudaGraphs
@@ -145,8 +151,8 @@ class ModelRunner:
         self.virtual_batches_per_step.append(count)
         self.step_virtual_batches = count
 
-    def group_inputs(self, batch: ScheduledBatch, inputs: StepInputs):
-        """Block table (numpy) and slot mapping (device) of every KV group."""
+    def group_inputs(self, batch: ScheduledBatch, inputs: StepInputs, on_device=True):
+        """Block table (numpy) and slot mapping (device, or numpy) of every KV group."""
         row_of_token = np.repeat(np.arange(len(batch.seqs)), np.diff(inputs.query_start_loc))
         width = max(1, int(cdiv(inputs.seq_lens.max(), self.block_size)))
         tables, slots = [], []
@@ -155,7 +161,7 @@ class ModelRunner:
             pages = table[row_of_token, inputs.positions // self.block_size].astype(np.int64)
             slot = pages * self.block_size + inputs.positions % self.block_size
             tables.append(table)
-            slots.append(to_device(slot, self.device))
+            slots.append(to_device(slot, self.device) if on_device else slot)
         return tables, slots
 
     def build_steps(self, query_start_loc, seq_lens, tables, slot_mappings, *,
@@ -198,22 +204,28 @@ class ModelRunner:
                               owner.shape[0])
             input_ids[to_device(holes, self.device)] = \
                 prev.sample.tokens_dev[to_device(src, self.device)]
-        steps = self.build_steps(inputs.query_start_loc, inputs.seq_lens, tables, slots,
-                                 graph_batch_size=layout[0] if layout else None)
-        if layout is not None:
-            hidden = self.graphs.replay(layout, input_ids, inputs.positions, slots)
-            self.graph_steps += 1
-        else:
-            hidden = self.model(input_ids, to_device(inputs.positions, self.device), steps)
+        hidden = self.forward(inputs, tables, slots, input_ids, layout)
         if self.capture is not None or self.capturing:
-            self._capture_prompt_logits(batch, inputs, hidden)
+            rows = self.capture_rows(batch.seqs, inputs)
+            if rows is not None:
+                logits = self.logits(hidden[torch.from_numpy(rows).to(self.device)]).cpu()
+                self.store_captured(batch.seqs, inputs, rows, logits)
         rows = hidden[to_device(inputs.logit_rows, self.device)]
         sample = self.sampler.launch(self.logits(rows), batch.seqs, inputs.logit_owner)
         bounds = np.searchsorted(inputs.logit_owner, np.arange(len(batch.seqs) + 1))
         return LaunchedStep(batch, sample, bounds, layout is not None)
 
-    def _capture_prompt_logits(self, batch, inputs, hidden):
-        seqs = batch.seqs
+    def forward(self, inputs: StepInputs, tables, slots, input_ids, layout):
+        """Hidden states of every token (``slots``, ``input_ids``: on the device)."""
+        steps = self.build_steps(inputs.query_start_loc, inputs.seq_lens, tables, slots,
+                                 graph_batch_size=layout[0] if layout else None)
+        if layout is not None:
+            self.graph_steps += 1
+            return self.graphs.replay(layout, input_ids, inputs.positions, slots)
+        return self.model(input_ids, to_device(inputs.positions, self.device), steps)
+
+    def capture_rows(self, seqs, inputs) -> np.ndarray | None:
+        """Token rows whose logits are captured this step (None when none)."""
         if self.capture is None:
             mode = [s.capture for s in seqs]
         else:
@@ -225,9 +237,9 @@ class ModelRunner:
                                                            per_token)
         keep &= ~last_only | (inputs.positions == prompt_len - 1)
         rows = np.flatnonzero(keep)
-        if rows.size == 0:
-            return
-        logits = self.logits(hidden[torch.from_numpy(rows).to(self.device)]).cpu()
+        return rows if rows.size else None
+
+    def store_captured(self, seqs, inputs, rows, logits):
         owner = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1
         for i in np.unique(owner):
             seq = seqs[int(i)]

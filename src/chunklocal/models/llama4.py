@@ -26,7 +26,21 @@ from chunklocal.models.llama4_config import (  # noqa: F401  (load_text_config: 
     supported_rope_type,
 )
 from chunklocal.models.moe import MoE
+from chunklocal.models.parallel import (
+    SINGLE,
+    TPGroup,
+    column_parallel,
+    row_parallel,
+    vocab_embedding,
+)
 from chunklocal.models.quant import FP8, NO_FP8, Fp8Linear, Fp8Plan
+from chunklocal.models.sharding import kv_head_split
+
+
+def _maker(fp8: Fp8Plan, name: str):
+    """``make(in, out, bias)`` for the parallel layer helpers: FP8 where ``fp8`` says so."""
+    return lambda in_features, out_features, bias: fp8.linear(name, in_features, out_features,
+                                                              bias)
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,23 +59,32 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
+    """Dense MLP; tensor parallel: this rank's slice of the inner size, one all-reduce."""
+
     def __init__(self, hidden: int, inner: int, act: nn.Module, fp8: Fp8Plan = NO_FP8,
-                 prefix: str = ""):
+                 prefix: str = "", tp: TPGroup = SINGLE):
         super().__init__()
-        self.act = act
-        self.gate_proj = fp8.linear(f"{prefix}.gate_proj", hidden, inner)
-        self.up_proj = fp8.linear(f"{prefix}.up_proj", hidden, inner)
-        self.down_proj = fp8.linear(f"{prefix}.down_proj", inner, hidden)
+        self.act, self.tp = act, tp
+        self.gate_proj = column_parallel(hidden, inner, False, tp,
+                                         make=_maker(fp8, f"{prefix}.gate_proj"))
+        self.up_proj = column_parallel(hidden, inner, False, tp,
+                                       make=_maker(fp8, f"{prefix}.up_proj"))
+        self.down_proj = row_parallel(inner, hidden, False, tp,
+                                      make=_maker(fp8, f"{prefix}.down_proj"))
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8, prefix: str = "self_attn"):
+    """This rank's query heads (num_attention_heads / N) and the KV heads they read."""
+
+    def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8, prefix: str = "self_attn",
+                 tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads, kv_replicas = kv_head_split(config.num_key_value_heads, tp.size)
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         self.use_rope = bool(config.no_rope_layers[layer_idx])
@@ -72,10 +95,16 @@ class Attention(nn.Module):
             self.temperature = (float(config.floor_scale), float(config.attn_scale))
         bias = config.attention_bias
         hidden, hd = config.hidden_size, self.head_dim
-        self.q_proj = fp8.linear(f"{prefix}.q_proj", hidden, self.num_heads * hd, bias)
-        self.k_proj = fp8.linear(f"{prefix}.k_proj", hidden, self.num_kv_heads * hd, bias)
-        self.v_proj = fp8.linear(f"{prefix}.v_proj", hidden, self.num_kv_heads * hd, bias)
-        self.o_proj = fp8.linear(f"{prefix}.o_proj", self.num_heads * hd, hidden, bias)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.tp = tp
+        self.q_proj = column_parallel(hidden, heads * hd, bias, tp,
+                                      make=_maker(fp8, f"{prefix}.q_proj"))
+        self.k_proj = column_parallel(hidden, kv_heads * hd, bias, tp, kv_replicas,
+                                      make=_maker(fp8, f"{prefix}.k_proj"))
+        self.v_proj = column_parallel(hidden, kv_heads * hd, bias, tp, kv_replicas,
+                                      make=_maker(fp8, f"{prefix}.v_proj"))
+        self.o_proj = row_parallel(heads * hd, hidden, bias, tp,
+                                   make=_maker(fp8, f"{prefix}.o_proj"))
         # Paged caches [num_blocks, block_size, Hkv, D], bound by the model runner.
         self.k_cache = self.v_cache = None
 
@@ -100,7 +129,8 @@ class Attention(nn.Module):
         flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
         out = step.backend.forward(step.metadata, q, self.k_cache, self.v_cache, self.scale,
                                    kind=step.kind)
-        return self.o_proj(out.reshape(t, -1).to(x.dtype))
+        out = self.o_proj(out.reshape(t, -1).to(x.dtype))
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 def _rotate(x, freqs_cis):
@@ -124,22 +154,25 @@ def fp8_moe(moe: MoE, fp8: Fp8Plan, prefix: str) -> MoE:
         for name in names:
             if f"{prefix}.{'shared_expert.' if owner is not moe else ''}{name}" in fp8.modules:
                 old = getattr(owner, name)
-                setattr(owner, name, Fp8Linear(old.in_features, old.out_features, False,
-                                               fp8.act_scale_ub))
+                new = Fp8Linear(old.in_features, old.out_features, False, fp8.act_scale_ub)
+                if hasattr(old, "shard_rules"):  # a tensor-parallel slice stays one
+                    new.shard_rules = old.shard_rules
+                    new.amax_reduce = moe.tp.all_reduce_max if name == "down_proj" else None
+                setattr(owner, name, new)
     return moe
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8):
+    def __init__(self, config, layer_idx: int, fp8: Fp8Plan = NO_FP8, tp: TPGroup = SINGLE):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
-        self.self_attn = Attention(config, layer_idx, fp8, f"{prefix}.self_attn")
+        self.self_attn = Attention(config, layer_idx, fp8, f"{prefix}.self_attn", tp)
         if layer_idx in config.moe_layers:
-            self.feed_forward = fp8_moe(MoE.from_config(config, activation(config)), fp8,
+            self.feed_forward = fp8_moe(MoE.from_config(config, activation(config), tp=tp), fp8,
                                         f"{prefix}.feed_forward")
         else:
             self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size_mlp,
-                                         activation(config), fp8, f"{prefix}.feed_forward")
+                                         activation(config), fp8, f"{prefix}.feed_forward", tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -150,11 +183,11 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config, fp8: Fp8Plan = NO_FP8):
+    def __init__(self, config, fp8: Fp8Plan = NO_FP8, tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, fp8) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, i, fp8, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -162,13 +195,16 @@ class Llama4ForCausalLM(nn.Module):
     """Module names follow the text checkpoint's (``model.layers.N...``, ``lm_head``); the
     routed experts hold (N, K) stacks (``w13``/``w2``, models/moe.py) that models/loader.py
     assembles from either published expert layout.  ``fp8`` names the modules whose
-    weights are FP8 (models/quant.py)."""
+    weights are FP8 (models/quant.py).  ``tp``: this rank's tensor-parallel group; its
+    modules then hold this rank's slices (models/parallel.py)."""
 
-    def __init__(self, config, fp8: Fp8Plan = NO_FP8):
+    def __init__(self, config, fp8: Fp8Plan = NO_FP8, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = config
-        self.model = TextModel(config, fp8)
-        self.lm_head = fp8.linear("lm_head", config.hidden_size, config.vocab_size)
+        self.tp = tp
+        self.model = TextModel(config, fp8, tp)
+        self.lm_head = column_parallel(config.hidden_size, config.vocab_size, False, tp,
+                                       make=_maker(fp8, "lm_head"))
         self._inv_freq = None
         self._rope_scaling = 1.0
 
@@ -200,4 +236,5 @@ class Llama4ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return self.tp.all_gather_last(logits) if self.tp.size > 1 else logits

@@ -9,6 +9,12 @@ with ``load_format="dummy"``, config.json only) and checks them (models/checkpoi
 weights of the config's shapes and dtypes (FP8 ones for an FP8 config) on the device
 from ``seed``, reading nothing but config.json: the same seed gives the same weights.
 On every device FP8 weights stay FP8 (models/quant.py runs them).
+
+Tensor parallel (``tp``): routes are checked against the full model (the checkpoint's
+shapes), and each rank's model holds its slices (models/parallel.py); each route's
+piece is cut to the rank's slice as it is read (models/sharding.py, ``local_pieces``),
+so no rank holds more than one full tensor (one expert of a fused stack) beside its
+slices, and an expert-parallel rank never reads another rank's experts.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from chunklocal.models.checkpoint import (
 from chunklocal.models.llama4 import Llama4ForCausalLM
 from chunklocal.models.llama4_config import CheckpointConfig, read_config
 from chunklocal.models.moe import configure as configure_moe
+from chunklocal.models.parallel import SINGLE, FirstRankOnly, TPGroup
 from chunklocal.models.quant import FP8, Fp8Plan
+from chunklocal.models.sharding import local_pieces, shard_rules
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -44,6 +52,7 @@ class LoadPlan:
     fp8: Fp8Plan
     model: Llama4ForCausalLM          # on the meta device until load_model()
     routes: list | None               # (Tensor, Route) pairs; None: dummy weights
+    full_shapes: dict | None = None   # tensor parallel: each weight's unsplit shape
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
         """Bytes the weights take on the device: FP8 1, scales 4, the rest ``dtype``."""
@@ -69,20 +78,27 @@ def _display(tensors) -> callable:
     return str
 
 
-def plan_load(model_dir, ckpt: CheckpointConfig, load_format: str = "auto") -> LoadPlan:
-    """Check a checkpoint against its config without reading tensor data."""
+def plan_load(model_dir, ckpt: CheckpointConfig, load_format: str = "auto",
+              tp: TPGroup = SINGLE) -> LoadPlan:
+    """Check a checkpoint against its config without reading tensor data; ``tp``: plan
+    this rank's slices."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     tied = bool(getattr(ckpt.text, "tie_word_embeddings", False))
     if load_format == "dummy":
         fp8 = fp8_plan_from_config(ckpt)
         with torch.device("meta"):
-            return LoadPlan(ckpt, fp8, Llama4ForCausalLM(ckpt.text, fp8), None)
+            return LoadPlan(ckpt, fp8, Llama4ForCausalLM(ckpt.text, fp8, tp), None)
     tensors = read_headers(model_dir)
     fp8 = fp8_plan_from_tensors(tensors, ckpt)
     with torch.device("meta"):
         model = Llama4ForCausalLM(ckpt.text, fp8)
-    return LoadPlan(ckpt, fp8, model, check_routes(tensors, model, tied, _display(tensors)))
+    routes, full_shapes = check_routes(tensors, model, tied, _display(tensors)), None
+    if tp.size > 1:
+        full_shapes = {name: tuple(w.shape) for name, w in weights(model).items()}
+        with torch.device("meta"):
+            model = Llama4ForCausalLM(ckpt.text, fp8, tp)
+    return LoadPlan(ckpt, fp8, model, routes, full_shapes)
 
 
 def _materialize(model: nn.Module, device, dtype) -> None:
@@ -98,6 +114,44 @@ def _materialize(model: nn.Module, device, dtype) -> None:
                 t = torch.empty(p.shape, dtype=dt, device=device)
                 store[name] = nn.Parameter(t, requires_grad=False) if store is \
                     module._parameters else t
+
+
+def _fill_slices(model: nn.Module, routes, full_shapes: dict) -> None:
+    """Tensor parallel: copy each route's piece into this rank's slice of its weight."""
+    params, rules = weights(model), shard_rules(model)
+    for name, rule in rules.items():  # biases summed over ranks: rank 0's alone
+        if isinstance(rule, FirstRankOnly) and rule.index and name in params:
+            params[name].zero_()
+    for path, items in _by_file(routes).items():
+        with open_safetensors(path) as f:
+            for tensor, r in items:
+                rule, full = rules.get(r.param), full_shapes[r.param]
+                if isinstance(rule, FirstRankOnly):
+                    if rule.index:
+                        continue
+                    rule = None
+                dst = params[r.param]
+                if r.transpose:  # fused experts, one at a time; other ranks' never read
+                    rows = f.get_slice(tensor.name)
+                    for e in range(full[0]):
+                        pieces = local_pieces(rule, full, (e,))
+                        src = rows[e].transpose(-2, -1) if pieces else None
+                        for sel, at in pieces:
+                            dst[at].copy_(src[sel])
+                    continue
+                pieces = local_pieces(rule, full, r.index)
+                if pieces:
+                    region = torch.empty(full, device="meta")[r.index].shape
+                    src = f.get_tensor(tensor.name).reshape(region)
+                    for sel, at in pieces:
+                        dst[at].copy_(src[sel])
+
+
+def _by_file(routes) -> dict:
+    by_file: dict[Path, list] = {}
+    for tensor, r in routes:
+        by_file.setdefault(tensor.file, []).append((tensor, r))
+    return by_file
 
 
 def _fill_from_files(model: nn.Module, routes) -> None:
@@ -145,6 +199,8 @@ def load_model(plan: LoadPlan, device="cpu", dtype=torch.float32, seed: int = 0)
     _materialize(model, device, dtype)
     if plan.routes is None:
         _fill_dummy(model, seed, device)
+    elif plan.full_shapes is not None:
+        _fill_slices(model, plan.routes, plan.full_shapes)
     else:
         _fill_from_files(model, plan.routes)
     if getattr(plan.ckpt.text, "tie_word_embeddings", False) and not any(
@@ -157,9 +213,9 @@ def load_model(plan: LoadPlan, device="cpu", dtype=torch.float32, seed: int = 0)
 
 
 def load_llama4(model_dir, device="cpu", dtype=None, load_format: str = "auto",
-                seed: int = 0) -> Llama4ForCausalLM:
+                seed: int = 0, tp: TPGroup = SINGLE) -> Llama4ForCausalLM:
     """Read, check and load a checkpoint directory in one call (``dtype`` None: the
-    checkpoint's torch_dtype, else float32)."""
+    checkpoint's torch_dtype, else float32; ``tp``: this rank's slices)."""
     ckpt = read_config(model_dir)
-    plan = plan_load(model_dir, ckpt, load_format)
+    plan = plan_load(model_dir, ckpt, load_format, tp)
     return load_model(plan, device, dtype or ckpt.dtype or torch.float32, seed)

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chunklocal.models.parallel import SINGLE, ShardRule, TPGroup, column_parallel, row_parallel
+
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
 # How loaded models run their MoE layers (see :func:`configure`), chosen from
@@ -67,7 +69,7 @@ def sort_by_expert(expert: torch.Tensor, num_groups: int):
 
 def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
               w_scale: torch.Tensor | None = None, small_m: bool = False,
-              act_scale_ub: float | None = None) -> torch.Tensor:
+              act_scale_ub: float | None = None, amax_reduce=None) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e].T`` (``w [E, N, K]``) -> [M, N].
 
     float8 weights with per-output-channel ``w_scale [E, N]`` go to
@@ -83,10 +85,12 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
             raise ValueError(f"float8 expert weights {tuple(w.shape)} need a weight scale")
         from chunklocal.models.quant import fp8_grouped_mm
 
-        # act_scale_ub: fbgemm_fp8's cap on a token's activation amax (models/quant.py)
-        if act_scale_ub is None:
+        # act_scale_ub: fbgemm_fp8's cap on a token's activation amax (models/quant.py);
+        # amax_reduce: tensor parallel, rows hold one rank's slice of the inner size
+        if act_scale_ub is None and amax_reduce is None:
             return fp8_grouped_mm(x, w, w_scale, offs)
-        return fp8_grouped_mm(x, w, w_scale, offs, act_scale_ub=act_scale_ub)
+        return fp8_grouped_mm(x, w, w_scale, offs, act_scale_ub=act_scale_ub,
+                              amax_reduce=amax_reduce)
     if w_scale is not None:
         raise ValueError(f"a weight scale was given for {w.dtype} expert weights")
     if small_m:
@@ -163,10 +167,23 @@ def configure(model: nn.Module, stack_shared: bool | None = None,
 
 
 class Experts(nn.Module):
-    """Stacked expert weights ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (+ FP8 scales)."""
+    """Stacked expert weights ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (+ FP8 scales).
 
-    def __init__(self, num_experts: int, hidden: int, inner: int):
+    Tensor parallel: ``tp.moe == "tp"`` keeps every expert with 1/N of its inner size
+    (gate and up rows sliced alike, and their scales; ``w2`` by columns); "ep" keeps
+    experts ``[rank * E / N, (rank + 1) * E / N)`` whole."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int, tp: TPGroup = SINGLE):
         super().__init__()
+        n, r = tp.size, tp.rank
+        if n > 1 and tp.moe == "ep":
+            num_experts //= n
+            by_expert = ShardRule(0, n, r)
+            self.shard_rules = dict.fromkeys(("w13", "w2", "w13_scale", "w2_scale"), by_expert)
+        elif n > 1:
+            inner //= n
+            self.shard_rules = {"w13": ShardRule(1, n, r, parts=2), "w2": ShardRule(2, n, r),
+                                "w13_scale": ShardRule(1, n, r, parts=2)}
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner))
         # Per-output-channel float32 scales of float8 weights ([E, 2I], [E, H]); a
@@ -176,31 +193,40 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """transformers' ``Llama4TextMLP`` (names as in the checkpoint)."""
+    """transformers' ``Llama4TextMLP`` (names as in the checkpoint); tensor parallel: this
+    rank's slice of the inner size, its output a partial sum (the MoE layer reduces)."""
 
-    def __init__(self, hidden: int, inner: int, act: nn.Module):
+    def __init__(self, hidden: int, inner: int, act: nn.Module, tp: TPGroup = SINGLE):
         super().__init__()
         self.act = act
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = column_parallel(hidden, inner, False, tp)
+        self.up_proj = column_parallel(hidden, inner, False, tp)
+        self.down_proj = row_parallel(inner, hidden, False, tp)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(nn.Module):
-    """Llama-4 MoE block: ``shared(x) + sum_k expert_k(score_k * x)`` over the top-k experts."""
+    """Llama-4 MoE block: ``shared(x) + sum_k expert_k(score_k * x)`` over the top-k experts.
+
+    Tensor parallel (``tp``): the router is whole on every rank, so every rank routes
+    every token alike; a rank's experts ("tp": slices of all, "ep": its whole experts)
+    and its shared-expert slice give a partial sum -- pairs routed to another rank's
+    experts add 0 here -- and one all-reduce completes the layer."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, inner: int, act: nn.Module,
-                 fuse_max_tokens: int = 0):
+                 fuse_max_tokens: int = 0, tp: TPGroup = SINGLE):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{num_experts}, got {top_k}")
-        self.num_experts, self.top_k, self.act = num_experts, top_k, act
+        self.num_experts, self.top_k, self.act, self.tp = num_experts, top_k, act, tp
         self.router = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden, inner)
-        self.shared_expert = SharedExpert(hidden, inner, act)
+        self.experts = Experts(num_experts, hidden, inner, tp)
+        #: This rank's experts are global ids [first_expert, first_expert + num_local).
+        self.num_local = self.experts.w13.shape[0]
+        self.first_expert = tp.rank * self.num_local if self.num_local != num_experts else 0
+        self.shared_expert = SharedExpert(hidden, inner, act, tp)
         self.stacked = False            # shared expert is slot E of the stacks
         self.fuse_max_tokens = fuse_max_tokens
         # Steps of at most this many (token, expert) pairs use moe_triton's kernel where it
@@ -217,7 +243,8 @@ class MoE(nn.Module):
         """Move the shared expert into slot E of ``w13``/``w2`` (one copy of the stacks).
         Only for float weights of one dtype; returns whether it stacked."""
         ex, sh = self.experts, self.shared_expert
-        if self.stacked or ex.w13_scale is not None or ex.w13.dtype != sh.gate_proj.weight.dtype:
+        if self.stacked or ex.w13_scale is not None or ex.w13.dtype != sh.gate_proj.weight.dtype \
+                or ex.w13.shape[1] != 2 * sh.gate_proj.weight.shape[0]:  # "ep": whole experts
             return self.stacked
         w13 = torch.cat([sh.gate_proj.weight, sh.up_proj.weight]).unsqueeze(0)
         ex.w13 = nn.Parameter(torch.cat([ex.w13, w13]), requires_grad=False)
@@ -229,7 +256,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens, hidden = x.shape
         expert, score = route(x, self.router, self.top_k)
-        ex, num_groups = self.experts, self.num_experts
+        ex, num_groups = self.experts, self.num_local
+        elsewhere = None
+        if num_groups != self.num_experts:  # "ep": other ranks' experts sort past the end
+            expert = expert - self.first_expert
+            elsewhere = (expert < 0) | (expert >= num_groups)
+            expert = expert.masked_fill(elsewhere, num_groups)
         fused = self.stacked and tokens <= self.fuse_max_tokens
         if fused:  # the shared expert as group E: every token, score 1
             expert = torch.cat([expert, expert.new_full((tokens, 1), num_groups)], dim=1)
@@ -243,12 +275,16 @@ class MoE(nn.Module):
         small = rows.shape[0] <= self.triton_max_pairs
         ub = getattr(ex, "act_scale_ub", None)
         gate, up = expert_mm(rows, w13, offs, ex.w13_scale, small, ub).chunk(2, dim=-1)
-        rows = expert_mm(self.act(gate) * up, w2, offs, ex.w2_scale, small, ub)
+        # "tp": each rank holds a slice of every pair's w2 input (routing is the same on
+        # every rank, so row i is the same pair everywhere): FP8 scales it by its full amax
+        split = self.tp.all_reduce_max if self.tp.size > 1 and elsewhere is None else None
+        rows = expert_mm(self.act(gate) * up, w2, offs, ex.w2_scale, small, ub, split)
         per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
+        if elsewhere is not None:  # rows past the last group are unspecified: drop them
+            per_slot = per_slot.masked_fill(elsewhere.reshape(-1, 1), 0)
         routed = per_slot.view(tokens, slots, hidden).sum(1) if slots > 1 else per_slot
-        if fused:
-            return routed
-        return self._shared(x) + routed
+        out = routed if fused else self._shared(x) + routed
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
     def _shared(self, x):
         if not self.stacked:

@@ -25,14 +25,18 @@ FP8_MAX = 448.0          # largest finite e4m3fn value
 AMAX_FLOOR = 1e-12       # an all-zero row quantizes to zeros instead of dividing by zero
 
 
-def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None):
+def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None, amax_reduce=None):
     """x [M, K] -> (x_fp8 [M, K] float8_e4m3fn, scale [M, 1] float32), ``x ~ x_fp8 * scale``.
 
     ``scale_ub`` (fbgemm's ``activation_scale_ub``) caps a row's amax: larger values
-    saturate at +-448 instead of coarsening the whole row.
+    saturate at +-448 instead of coarsening the whole row.  ``amax_reduce``: the max of
+    the row amaxes over the tensor-parallel ranks, when x holds one rank's columns of
+    each row (a row-parallel layer): every rank then scales a token as one rank would.
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
+    if amax_reduce is not None:
+        amax = amax_reduce(amax)
     if scale_ub is not None:
         amax = amax.clamp(max=float(scale_ub))
     # A tensor divisor, not the Python float: CUDA divides a tensor by a Python scalar as a
@@ -50,14 +54,14 @@ def dequantize(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
-               act_scale_ub: float | None = None) -> torch.Tensor:
+               act_scale_ub: float | None = None, amax_reduce=None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T with per-token activation and per-channel weight scales -> [M, N]
     in ``x.dtype``.  CUDA: ``torch._scaled_mm`` (FP8 tensor cores, bf16 out); CPU: float32
     on dequantized weights and fake-quantized activations."""
     out_shape = (x.shape[0], w.shape[0])
     if x.shape[0] == 0:
         return x.new_zeros(out_shape)
-    x_fp8, scale = quantize_per_token(x, act_scale_ub)
+    x_fp8, scale = quantize_per_token(x, act_scale_ub, amax_reduce)
     if x.is_cuda:
         # b must be column-major: w [N, K] row-major transposed is exactly that.  A bf16
         # bias (the dtype the H200's torch 2.11 was seen to take) is added in the kernel's
@@ -76,12 +80,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias=Non
 
 
 def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
-                   *, act_scale_ub: float | None = None) -> torch.Tensor:
+                   *, act_scale_ub: float | None = None, amax_reduce=None) -> torch.Tensor:
     """Rows of x [M, K] sorted by expert; expert e owns rows ``offs[e-1]:offs[e]`` (int32
     cumulative end offsets, ``offs[-1] <= M``) and multiplies them by w[e] [N, K] (FP8,
     scales ``w_scale [E, N]``).  Returns [M, N] in ``x.dtype``; rows past ``offs[-1]`` are
     unspecified on CUDA and zero elsewhere."""
-    x_fp8, scale = quantize_per_token(x, act_scale_ub)
+    x_fp8, scale = quantize_per_token(x, act_scale_ub, amax_reduce)
     if x.is_cuda:
         out = torch._scaled_grouped_mm(x_fp8, w.transpose(-2, -1), scale.view(-1),
                                        w_scale.float(), offs=offs, out_dtype=torch.bfloat16)
@@ -109,11 +113,12 @@ class Fp8Linear(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32),
                                          requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.amax_reduce = None  # set on row-parallel slices (models/parallel.py)
 
     def forward(self, x):
         flat = x.reshape(-1, self.in_features)
         out = fp8_linear(flat, self.weight, self.weight_scale, self.bias,
-                         act_scale_ub=self.act_scale_ub)
+                         act_scale_ub=self.act_scale_ub, amax_reduce=self.amax_reduce)
         return out.view(*x.shape[:-1], self.out_features)
 
 

@@ -32,6 +32,7 @@ LLM_FLAGS = {
     "seed": "seed", "generation_config": "generation_config",
     "max_waiting_requests": "max_waiting_requests", "load_format": "load_format",
     "async_scheduling": "async_scheduling",
+    "tensor_parallel_size": "tensor_parallel_size", "moe_parallel": "moe_parallel",
 }
 # Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
 _DEFAULTS_IF_ABSENT = {"load_format": "auto"}
@@ -118,6 +119,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt-lookup draft length k (default 0)")
     e.add_argument("--load-format", default="auto", help="checkpoint format (default auto)")
     e.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
+                   help="ranks (one worker process each; NCCL on GPUs, gloo on the CPU) "
+                   "(default 1)")
+    e.add_argument("--moe-parallel", default="tp", choices=["tp", "ep"],
+                   help="MoE experts split inside each expert (tp) or by expert (ep) "
+                   "(default tp)")
     e.add_argument("--async-scheduling", action="store_true",
                    help="prepare step n+1 on the host while the device runs step n (vLLM's "
                    "flag; off with speculative decoding or penalties; default off)")

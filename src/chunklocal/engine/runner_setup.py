@@ -1,0 +1,60 @@
+"""What a rank needs to build its attention backends, KV caches and CUDA graphs.
+
+The engine decides the KV groups (specs, page counts) once; :class:`RunnerSetup`
+carries that decision, picklable, to :func:`build_runner`, which runs in the
+caller's process for one rank and in every worker process with tensor
+parallelism.  Head counts are this rank's (a slice of the model's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chunklocal.backends.base import EngineLimits
+from chunklocal.engine.block_manager import BlockManager, KVGroup
+from chunklocal.engine.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class RunnerSetup:
+    groups: tuple           # (spec, num_blocks) per KV group; specs hold this rank's KV heads
+    kind_to_group: dict     # layer kind -> KV group index
+    backend: str            # "torch" or "flashinfer"
+    limits: EngineLimits
+    num_q_heads: int        # this rank's query heads
+    kv_dtype: torch.dtype
+    num_speculative_tokens: int
+    cuda_graphs: bool
+    seed: int
+    chunk_size: int | None
+
+
+def make_backend(setup: RunnerSetup, group: KVGroup, device):
+    if setup.backend == "torch":
+        from chunklocal.backends.torch_ref import TorchRefBackend
+
+        # Plans live where q and the caches do; Hq sizes the memory-bounded groups.
+        return TorchRefBackend(group.spec, num_q_heads=setup.num_q_heads, device=device)
+    from chunklocal.backends.flashinfer import FlashInferBackend
+
+    spec = group.spec
+    k = setup.num_speculative_tokens
+    return FlashInferBackend(
+        spec, setup.limits, setup.num_q_heads, spec.num_kv_heads, spec.head_size,
+        setup.kv_dtype, device, setup.cuda_graphs, verify_len=k + 1 if k else None,
+        scratch_page=group.scratch_page, sm_scale=spec.head_size ** -0.5)
+
+
+def build_runner(setup: RunnerSetup, model, device, block_manager=None) -> ModelRunner:
+    """This rank's runner.  ``block_manager``: the engine's (one rank), or None for a
+    worker, whose steps arrive with their block tables already made."""
+    if block_manager is None:
+        block_manager = BlockManager([KVGroup(spec, n) for spec, n in setup.groups], 1, 1)
+    backends = [make_backend(setup, grp, device) for grp in block_manager.groups]
+    runner = ModelRunner(model, block_manager, setup.kind_to_group, backends, device,
+                         setup.kv_dtype, setup.seed, chunk_size=setup.chunk_size)
+    if setup.cuda_graphs:
+        runner.enable_cuda_graphs(backends[0].graph_batch_sizes, backends[0].graph_query_lens)
+    return runner
