@@ -48,12 +48,7 @@ def prompts_of(lengths, seed=0, vocab=500):
 PROMPTS = prompts_of([5, 40, 77], seed=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def eos_stop(hf, prompts=None):

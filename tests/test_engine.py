@@ -30,13 +30,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                "original_max_position_embeddings": 64}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Hidden size 64: one thread beats two (no fork/join per tiny matmul)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,7 @@ import chunklocal
 from chunklocal.engine.core import QueueFullError
 from chunklocal.engine.sampling import SamplingParams
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

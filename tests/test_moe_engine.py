@@ -23,12 +23,7 @@ ENGINE = dict(device="cpu", dtype=torch.float32, max_model_len=512, max_num_seqs
               max_num_batched_tokens=512, block_size=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module", params=[(2, 8, 1), (1, 16, 2)],

@@ -29,12 +29,7 @@ ACCEPTANCE = dict(device="cpu", dtype=torch.float32, max_model_len=128,
 PROMPTS = [[(7 * i + 3 * j) % 512 for i in range(n)] for j, n in enumerate((5, 33, 70, 100))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def worker_pids_alive(pids) -> list[int]:

@@ -30,12 +30,7 @@ KW = dict(device="cpu", dtype=torch.float32, max_model_len=128, max_num_batched_
 PROMPTS = [[(11 * i + 5 * j) % 500 for i in range(n)] for j, n in enumerate((6, 40, 77))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

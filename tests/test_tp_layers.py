@@ -23,13 +23,7 @@ from chunklocal.models.parallel import (
 )
 from chunklocal.models.sharding import check_tensor_parallel, kv_head_split, shard_rules
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_shard_rule_cuts_fused_blocks_separately():
