@@ -116,3 +116,43 @@ def test_a_dropped_llm_is_freed_and_its_loop_thread_ends(tmp_path):
     gc.collect()
     thread.join(10)
     assert ref() is None and not thread.is_alive()
+
+
+def test_a_loop_thread_that_dies_fails_its_clients_instead_of_hanging(tmp_path, monkeypatch):
+    """The loop thread died on the H200 (a bare 'cuda' device in set_device) and generate()
+    waited for ever.  Any death now fails the running and queued requests with its cause,
+    and the dead core refuses new ones."""
+    from chunklocal.engine.core import EngineCore
+
+    write_tiny_llama4(tmp_path, seed=0)
+    llm = chunklocal.LLM(tmp_path, max_num_seqs=2, max_num_batched_tokens=32,
+                         max_model_len=64)
+
+    def broken(self, first):
+        raise RuntimeError("loop broke")
+
+    monkeypatch.setattr(EngineCore, "_iterate", broken)
+    outcome = {}
+
+    def call():
+        try:
+            llm.generate(prompts_for(0), max_new_tokens=4, use_tqdm=False)
+        except RuntimeError as err:
+            outcome["error"] = err
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    assert not caller.is_alive(), "generate() hung after the loop thread died"
+    assert "loop broke" in str(outcome["error"])
+    dead = llm._core
+    with pytest.raises(RuntimeError, match="the engine loop died: RuntimeError"):
+        dead.submit([])
+    # llm.core starts a fresh core: it fails the same way while the loop is broken, and
+    # serves again once it is not (the dead loop freed every page).
+    with pytest.raises(RuntimeError, match="loop broke"):
+        llm.generate(prompts_for(1), max_new_tokens=4, use_tqdm=False)
+    monkeypatch.undo()
+    assert [len(out) for out in llm.generate(prompts_for(2), max_new_tokens=4,
+                                             use_tqdm=False)] == [4, 4, 4]
+    assert all(len(g.free_blocks) == g.num_blocks for g in llm.block_manager.groups)

@@ -68,6 +68,7 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._thread: threading.Thread | None = None
         self.closed = False
+        self.died: BaseException | None = None  # what ended the loop thread, if it died
         # Loop-thread state.
         self._requests: dict[str, Request] = {}
         self._detok_tokenizer = None
@@ -158,7 +159,8 @@ class EngineCore:
         """Queue checked requests (all or none); their streams."""
         with self._lock:
             if self.closed:
-                raise RuntimeError("the engine core is shut down")
+                raise RuntimeError("the engine core is shut down" if self.died is None else
+                                   f"the engine loop died: {self.died!r}")
             for req in requests:
                 if req.request_id in self._live:
                     raise ValueError(f"request {req.request_id}: request_id already in use")

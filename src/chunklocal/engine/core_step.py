@@ -7,6 +7,7 @@ Runs on the loop thread only.
 
 from __future__ import annotations
 
+import queue
 import time
 
 from chunklocal.engine.overlap import overlappable, provisional, resolve
@@ -15,22 +16,59 @@ from chunklocal.engine.sequence import Status
 
 def run_loop(core_ref, commands, device) -> None:
     """The loop thread.  It holds the core only while working, never while it blocks for
-    the next command, so a dropped LLM is freed (its finalizer wakes the thread)."""
-    if device.type == "cuda":  # the current device is per thread
-        import torch
+    the next command, so a dropped LLM is freed (its finalizer wakes the thread).  If it
+    dies, every request it holds or has queued fails with the cause and the core refuses
+    new ones: a dead loop must never leave a client waiting."""
+    first = None  # the command taken while idle, until the loop has handled it
+    try:
+        if device.type == "cuda":  # the current device is per thread
+            import torch
 
-        torch.cuda.set_device(device)
-    while True:
+            torch.cuda.set_device(device)
+        while True:
+            core = core_ref()
+            if core is None:
+                return
+            idle = core._idle
+            del core
+            first = commands.get() if idle else None
+            core = core_ref()
+            if core is None or core._iterate(first):
+                return
+            del core
+            first = None
+    except BaseException as err:  # noqa: B036 - handed to every waiting client
         core = core_ref()
-        if core is None:
-            return
-        idle = core._idle
-        del core
-        first = commands.get() if idle else None
-        core = core_ref()
-        if core is None or core._iterate(first):
-            return
-        del core
+        if core is not None:
+            _die(core, commands, err, first)
+        raise
+
+
+def _die(core, commands, err: BaseException, first) -> None:
+    with core._lock:
+        core.closed, core.died = True, err  # submit() refuses from now on
+    try:
+        fail_all(core, err)
+    finally:
+        # submitted, never admitted by the loop
+        queued = [first[1]] if first is not None and first[0] == "add" else []
+        while True:
+            try:
+                kind, *args = commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                queued.append(args[0])
+        for req in queued:
+            if req.request_id in core._requests:
+                continue  # admitted before the loop died: fail_all finished it
+            with req.stream._cond:
+                for sample in req.samples:
+                    sample.finish("abort")
+                req.error = err
+                with core._lock:
+                    core._live.pop(req.request_id, None)
+                req.stream._publish()
 
 
 def run_step(core) -> None:
