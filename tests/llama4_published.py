@@ -234,6 +234,20 @@ def fbgemm_fp8(hf, skip: list[str]) -> dict:
     return tensors
 
 
+def write_maverick_fbgemm(path, hf):
+    """A 4-layer Maverick-shaped checkpoint as meta-llama's Maverick FP8 ships: fbgemm_fp8,
+    activation_scale_ub 1200, attention, routers, lm_head and vision left 16-bit."""
+    skip = ["self_attn", "router", "lm_head"]
+    return write_published(path, MAVERICK, fbgemm_fp8(hf, skip), multimodal=True,
+                           quantization_config={
+                               "activation_scale_ub": 1200.0, "quant_method": "fbgemm_fp8",
+                               "modules_to_not_convert": [
+                                   f"language_model.model.layers.{i}.{m}" for i in range(4)
+                                   for m in ("self_attn", "feed_forward.router")]
+                               + ["language_model.lm_head", "vision_model",
+                                  "multi_modal_projector"]})
+
+
 def fp8_oracle(hf, tensors: dict, scale_ub=None):
     """``hf`` with the dequantized weights of ``tensors`` and per-token fake-quantized inputs
     to every FP8 layer (both expert layouts)."""

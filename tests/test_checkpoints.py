@@ -19,11 +19,11 @@ from llama4_published import (
     MAVERICK,
     SCOUT,
     compressed_tensors_fp8,
-    fbgemm_fp8,
     fp8_oracle,
     hf_generate,
     hf_model,
     read_tensors,
+    write_maverick_fbgemm,
     write_published,
 )
 
@@ -132,15 +132,7 @@ def test_fbgemm_fp8_maverick(tmp_path):
     """fbgemm_fp8 as meta-llama's Maverick FP8: fused e4m3 experts with per-channel scales,
     activation_scale_ub, modules_to_not_convert 16-bit."""
     hf = hf_model(MAVERICK, seed=2)
-    skip = ["self_attn", "router", "lm_head"]
-    path = write_published(tmp_path, MAVERICK, fbgemm_fp8(hf, skip), multimodal=True,
-                           quantization_config={
-                               "activation_scale_ub": 1200.0, "quant_method": "fbgemm_fp8",
-                               "modules_to_not_convert": [
-                                   f"language_model.model.layers.{i}.{m}" for i in range(4)
-                                   for m in ("self_attn", "feed_forward.router")]
-                               + ["language_model.lm_head", "vision_model",
-                                  "multi_modal_projector"]})
+    path = write_maverick_fbgemm(tmp_path, hf)
     tensors = read_tensors(path)
     assert tensors["model.layers.1.feed_forward.experts.gate_up_proj_scale"].shape == (8, 1, 128)
     assert tensors["model.layers.1.feed_forward.experts.down_proj_scale"].shape == (8, 64, 1)

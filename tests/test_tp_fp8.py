@@ -17,8 +17,8 @@ from llama4_published import (
     MAVERICK,
     SCOUT,
     compressed_tensors_fp8,
-    fbgemm_fp8,
     hf_model,
+    write_maverick_fbgemm,
     write_published,
 )
 from test_tp_engine import compare, worker_pids_alive
@@ -45,15 +45,7 @@ def scout_ct(tmp_path_factory):
 def maverick_fbgemm(tmp_path_factory):
     hf = hf_model(MAVERICK, seed=2)
     path = tmp_path_factory.mktemp("tp_fbgemm")
-    skip = ["self_attn", "router", "lm_head"]
-    return write_published(path, MAVERICK, fbgemm_fp8(hf, skip), multimodal=True,
-                           quantization_config={
-                               "activation_scale_ub": 1200.0, "quant_method": "fbgemm_fp8",
-                               "modules_to_not_convert": [
-                                   f"language_model.model.layers.{i}.{m}" for i in range(4)
-                                   for m in ("self_attn", "feed_forward.router")]
-                               + ["language_model.lm_head", "vision_model",
-                                  "multi_modal_projector"]})
+    return write_maverick_fbgemm(path, hf)
 
 
 @pytest.mark.parametrize("moe, hybrid", [("tp", True), ("ep", False)])
