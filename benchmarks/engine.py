@@ -65,7 +65,8 @@ def without_chunking(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     config = json.loads((src / "config.json").read_text())
     config["attention_chunk_size"] = None
-    config.pop("layer_types", None)  # re-derived without a chunk: every layer full attention
+    # Explicit: transformers 4.57 re-derives chunked layer types even without a chunk.
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     link = dst / "model.safetensors"
     if not link.exists():

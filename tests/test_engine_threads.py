@@ -118,6 +118,7 @@ def test_a_dropped_llm_is_freed_and_its_loop_thread_ends(tmp_path):
     assert ref() is None and not thread.is_alive()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # planted
 def test_a_loop_thread_that_dies_fails_its_clients_instead_of_hanging(tmp_path, monkeypatch):
     """The loop thread died on the H200 (a bare 'cuda' device in set_device) and generate()
     waited for ever.  Any death now fails the running and queued requests with its cause,

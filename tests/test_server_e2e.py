@@ -170,7 +170,7 @@ def test_chat_equals_offline_on_the_templated_prompt(server, llm, ckpt):
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": "hello café 🙂"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True,
-                                  tokenize=True)["input_ids"]
+                                  tokenize=True, return_dict=True)["input_ids"]
     assert ids.count(tok.bos_token_id) == 1
     want = offline(llm, [ids], max_tokens=25, temperature=0.0, ignore_eos=True)[0]
     client = server.client()

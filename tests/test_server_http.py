@@ -120,7 +120,7 @@ def test_chat_one_bos_and_role_chunk(serve, tokenizer):
     r = s.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 4}).json()
     ids = core.added[-1].ids
     assert ids == tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
-                                                tokenize=True)["input_ids"]
+                                                tokenize=True, return_dict=True)["input_ids"]
     assert ids.count(tokenizer.bos_token_id) == 1
     assert r["choices"][0]["message"]["role"] == "assistant"
     chunks = _sse(s.post("/v1/chat/completions",
