@@ -100,6 +100,33 @@ class BlockManager:
                    <= len(grp.free_blocks) + grp.stale_pages(seq, g)
                    for g, grp in enumerate(self.groups))
 
+    def decode_changes(self, seqs: list[Sequence]) -> np.ndarray | None:
+        """For one new token per request (plain decodes), in this order: the positions in
+        ``seqs`` whose pages change (new or stale pages in some group), or None when some
+        request could not get its pages (the caller then goes request by request, which
+        preempts).
+
+        Why all at once is the same as one by one: going in order, request k frees its
+        ``stale_k`` pages and takes ``new_k``, so it succeeds exactly when the free count
+        ``free_0 + sum_{i<=k} (stale_i - new_i)`` stays >= 0; every prefix sum checked,
+        for every group, means every request of the loop would have succeeded.  Requests
+        with no change are no-ops of :meth:`allocate` (they hold a row already).
+        """
+        num_computed = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
+        changes = np.zeros(len(seqs), dtype=bool)
+        for g, grp in enumerate(self.groups):
+            owned = np.fromiter((len(s.block_tables[g]) for s in seqs), np.int64, len(seqs))
+            new = np.maximum(0, -(-(num_computed + 1) // grp.block_size) - owned)
+            stale = np.zeros_like(new)
+            if grp.chunk_size is not None:
+                first = np.fromiter((s.first_owned_page[g] for s in seqs), np.int64, len(seqs))
+                chunk_page = (num_computed // grp.chunk_size) * grp.chunk_size // grp.block_size
+                stale = np.maximum(0, np.minimum(chunk_page, owned) - first)
+            if (len(grp.free_blocks) + np.cumsum(stale - new)).min(initial=0) < 0:
+                return None
+            changes |= (new > 0) | (stale > 0)
+        return np.flatnonzero(changes)
+
     def allocate(self, seq: Sequence, num_new: int) -> None:
         """Give ``seq`` pages for positions up to ``num_computed + num_new``.
 

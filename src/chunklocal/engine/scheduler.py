@@ -41,6 +41,13 @@ class ScheduledBatch:
         self.num_new.append(num_new)
         self.drafts.append(list(draft))
 
+    def add_decodes(self, seqs):
+        """One token each, no drafts (the request-by-request ``add`` of each, at once)."""
+        self.seqs.extend(seqs)
+        self.scheduled_ids.update(s.seq_id for s in seqs)
+        self.num_new.extend([1] * len(seqs))
+        self.drafts.extend([] for _ in seqs)
+
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new)
@@ -148,11 +155,28 @@ class Scheduler:
         self.block_manager.allocate(seq, num_new)
         return True
 
+    def _decodes_at_once(self, decodes, batch: ScheduledBatch, budget: int) -> bool:
+        """Schedule every plain decode in one vectorised pass (the common step of a busy
+        server); False, with nothing changed, where the request-by-request loop must decide
+        (drafts, a token budget smaller than the decodes, pages short)."""
+        if self.num_speculative_tokens or not decodes or len(decodes) > budget:
+            return False
+        changes = self.block_manager.decode_changes(decodes)
+        if changes is None:
+            return False
+        for i in changes.tolist():
+            self.block_manager.allocate(decodes[i], 1)
+        batch.add_decodes(decodes)
+        return True
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        decodes = [s for s in self.running if not s.is_prefilling]
-        prefills = [s for s in self.running if s.is_prefilling]
+        decodes = [s for s in self.running if len(s.token_ids) - s.num_computed <= 1]
+        prefills = [s for s in self.running if len(s.token_ids) - s.num_computed > 1]
+        if self._decodes_at_once(decodes, batch, budget):
+            budget -= len(decodes)
+            decodes = []
         for seq in decodes + prefills:
             if budget == 0:
                 break
