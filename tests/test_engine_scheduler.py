@@ -106,27 +106,9 @@ class FakeRunner:
 def test_random_workloads_finish_with_right_tokens(lengths, max_new, max_num_seqs, budget,
                                                    block_size, pages_per_chunk, spec_k,
                                                    hybrid, spare_blocks, seed):
-    rng = np.random.default_rng(seed)
-    chunk = block_size * pages_per_chunk
-    max_model_len = max(lengths) + max_new
-    geometry = (block_size, 1, 8, torch.float32)
-    chunked = ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=chunk)
-    full = FullAttentionSpec(*geometry)
-    whole = cdiv(max_model_len, block_size)
-    if hybrid:
-        local = min(cdiv(chunk - 1 + budget, block_size), whole)
-        groups = [KVGroup(full, whole + spare_blocks), KVGroup(chunked, local + spare_blocks // 2)]
-    else:
-        groups = [KVGroup(merge([chunked, full]), whole + spare_blocks)]
-    manager = BlockManager(groups, max_num_seqs, whole)
-    scheduler = Scheduler(manager, max_num_seqs, budget, max_model_len, spec_k)
-    runner = FakeRunner(groups, scheduler, (max_num_seqs, budget))
-    # Repetitive prompts so that prompt lookup finds drafts, some of them right.
-    prompts = [rng.integers(0, 3, n).tolist() for n in lengths]
-    params = SamplingParams(max_tokens=max_new, ignore_eos=True)
-    seqs = [Sequence(i, p, params, len(groups)) for i, p in enumerate(prompts)]
-    for seq in seqs:
-        scheduler.add(seq)
+    scheduler, runner, prompts = workload(lengths, max_new, max_num_seqs, budget, block_size,
+                                          pages_per_chunk, hybrid, spare_blocks, seed, spec_k)
+    groups, seqs = scheduler.block_manager.groups, list(scheduler.waiting)
     for _ in range(10_000):
         if not scheduler.has_work():
             break
@@ -260,8 +242,10 @@ def test_requests_that_keep_losing_their_kv_raise_instead_of_looping():
     assert scheduler.num_preemptions > 0 and steps < 60
 
 
-def _lockstep_setup(lengths, max_new, max_num_seqs, budget, block_size, pages_per_chunk, hybrid,
-                    spare_blocks, seed):
+def workload(lengths, max_new, max_num_seqs, budget, block_size, pages_per_chunk, hybrid,
+             spare_blocks, seed, spec_k=0):
+    """A scheduler holding random repetitive prompts (so that prompt lookup finds drafts,
+    some of them right), its fake runner, and the prompts."""
     rng = np.random.default_rng(seed)
     chunk = block_size * pages_per_chunk
     max_model_len = max(lengths) + max_new
@@ -275,12 +259,12 @@ def _lockstep_setup(lengths, max_new, max_num_seqs, budget, block_size, pages_pe
     else:
         groups = [KVGroup(merge([chunked, full]), whole + spare_blocks)]
     scheduler = Scheduler(BlockManager(groups, max_num_seqs, whole), max_num_seqs, budget,
-                          max_model_len, 0)
+                          max_model_len, spec_k)
     prompts = [rng.integers(0, 3, n).tolist() for n in lengths]
     params = SamplingParams(max_tokens=max_new, ignore_eos=True)
     for i, p in enumerate(prompts):
         scheduler.add(Sequence(i, p, params, len(groups)))
-    return scheduler, FakeRunner(groups, scheduler, (max_num_seqs, budget))
+    return scheduler, FakeRunner(groups, scheduler, (max_num_seqs, budget)), prompts
 
 
 @settings(max_examples=80, deadline=None)
@@ -295,11 +279,11 @@ def _lockstep_setup(lengths, max_new, max_num_seqs, budget, block_size, pages_pe
     spare_blocks=st.integers(0, 6),
     seed=st.integers(0, 1000),
 )
-def test_decodes_scheduled_at_once_equal_the_request_by_request_loop(**workload):
+def test_decodes_scheduled_at_once_equal_the_request_by_request_loop(**shape):
     """The vectorised decode pass (Scheduler._decodes_at_once) against the loop it skips,
     in lockstep on the same workload: same batches, same pages, same preemptions."""
-    fast, fast_runner = _lockstep_setup(**workload)
-    slow, slow_runner = _lockstep_setup(**workload)
+    fast, fast_runner, _ = workload(**shape)
+    slow, slow_runner, _ = workload(**shape)
     slow._decodes_at_once = lambda *args: False
     taken = 0
     for _ in range(10_000):
