@@ -48,6 +48,17 @@ def byte_level_tokenizer():
 TOKENIZER = byte_level_tokenizer()
 
 
+class PythonPath:
+    """The tokenizer without its Rust backend: the detokenizer's two-decodes path."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+BOTH_PATHS = pytest.mark.parametrize("tokenizer", [TOKENIZER, PythonPath(TOKENIZER)],
+                                     ids=["decode_stream", "python"])
+
+
 def encode(text):
     return TOKENIZER(text, add_special_tokens=False)["input_ids"]
 
@@ -73,6 +84,20 @@ class Scripted:
         return DeviceSample(torch.tensor(np.array(tokens, dtype=np.int64)))
 
 
+@BOTH_PATHS
+@given(st.lists(st.integers(0, len(TOKENIZER) - 1), min_size=1, max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_detokenizer_on_any_token_ids_streams_prefixes_of_the_decode(tokenizer, ids):
+    """Random ids: byte pieces that never complete a character, invalid UTF-8, <eos>."""
+    final = TOKENIZER.decode(ids, skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tokenizer)
+    for token in ids:
+        detok.add(token)
+        assert final.startswith(detok.visible_text), (detok.visible_text, final)
+    detok.finish()
+    assert detok.text == final
+
+
 @pytest.fixture()
 def scripted(llm, monkeypatch):
     scripts = {}
@@ -93,11 +118,12 @@ def check_prefixes(snapshots, final_text):
         assert final_text.startswith(snap.outputs[0].text), (snap.outputs[0].text, final_text)
 
 
+@BOTH_PATHS
 @given(st.text(ALPHABET, min_size=1, max_size=30))
 @settings(max_examples=300, deadline=None)
-def test_detokenizer_text_is_the_decode_and_grows_by_whole_characters(text):
+def test_detokenizer_text_is_the_decode_and_grows_by_whole_characters(tokenizer, text):
     ids = encode(text)
-    detok = IncrementalDetokenizer(TOKENIZER)
+    detok = IncrementalDetokenizer(tokenizer)
     for token in ids:
         assert detok.add(token) is None
         assert text.startswith(detok.visible_text)
@@ -105,12 +131,13 @@ def test_detokenizer_text_is_the_decode_and_grows_by_whole_characters(text):
     assert detok.text == TOKENIZER.decode(ids) == text
 
 
+@BOTH_PATHS
 @given(st.text(ALPHABET, min_size=1, max_size=30), st.text(ALPHABET, min_size=1, max_size=4),
        st.booleans())
 @settings(max_examples=300, deadline=None)
-def test_detokenizer_cuts_at_the_first_stop_string_and_never_shows_part_of_it(text, stop,
-                                                                             include):
-    detok = IncrementalDetokenizer(TOKENIZER, stop=(stop,), include_stop_str_in_output=include)
+def test_detokenizer_cuts_at_the_first_stop_string_and_never_shows_part_of_it(tokenizer, text,
+                                                                             stop, include):
+    detok = IncrementalDetokenizer(tokenizer, stop=(stop,), include_stop_str_in_output=include)
     at = text.find(stop)
     final = text if at < 0 else text[:at + len(stop) if include else at]
     for token in encode(text):

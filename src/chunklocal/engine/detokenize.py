@@ -11,8 +11,12 @@ Invariants (tested in tests/test_engine_sampling_stream.py):
 
 The decode window covers only the sample's own tokens (no prompt context), so its text
 equals decoding the output token ids alone, as ``LLM.generate`` always returned.
-Two decodes per token over a window that restarts at each complete character keep the
-cost per token constant, not growing with the output.
+
+Two ways, one contract: with a Rust ("fast") tokenizer, ``tokenizers``' DecodeStream keeps
+the window in Rust (one call per token); otherwise two Python-level decodes per token over
+a window that restarts at each complete character.  Either way the cost per token stays
+constant, not growing with the output.  ``finish()`` then decodes the whole output once,
+so the final text is the decode itself whatever the streaming held back.
 """
 
 from __future__ import annotations
@@ -34,6 +38,15 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stopped_on: str | None = None
         self.finished = False
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = None
+        # transformers' decode post-processes what the Rust decoder gives only when it
+        # cleans up tokenization spaces; then the stream would not match it.
+        if self._backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces",
+                                                     False):
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -43,6 +56,13 @@ class IncrementalDetokenizer:
         if self.finished:
             raise RuntimeError("add() after the sample finished")
         self.ids.append(int(token_id))
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, self.ids[-1])
+            if not piece:
+                return None  # no complete new character yet
+            before = len(self.text)
+            self.text += piece
+            return self._check_stop(before)
         head = self._decode(self.ids[self.prefix_offset:self.read_offset])
         window = self._decode(self.ids[self.prefix_offset:])
         if len(window) <= len(head) or window.endswith(REPLACEMENT):
@@ -72,6 +92,12 @@ class IncrementalDetokenizer:
     def finish(self) -> None:
         """End of the sample (length, EOS, stop token, abort): release everything held."""
         if self.finished:
+            return
+        if self._stream is not None:
+            whole = self._decode(self.ids)
+            if whole.startswith(self.text):  # the stream's text is always a prefix of it
+                self.text = whole
+            self.finished = True
             return
         tail = self._decode(self.ids[self.prefix_offset:])
         head = self._decode(self.ids[self.prefix_offset:self.read_offset])

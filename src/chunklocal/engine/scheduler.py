@@ -218,6 +218,24 @@ class Scheduler:
                            "requests keep losing their KV to preemption; the KV pool is too "
                            "small for them")
 
+    def _append(self, seq: Sequence, new: list[int], eos_ids: frozenset[int]) -> bool:
+        """Append ``new`` up to the first that finishes ``seq``; True if one did."""
+        params, ids = seq.params, seq.token_ids
+        end = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        for token in new:
+            ids.append(token)
+            if token in eos_ids and not params.ignore_eos:
+                seq.finish_reason = "stop"
+            elif token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+            elif len(ids) >= end:
+                seq.finish_reason = "length"
+            else:
+                continue
+            seq.status = Status.FINISHED
+            return True
+        return False
+
     def postprocess(self, batch: ScheduledBatch, sampled: list[np.ndarray],
                     eos_ids: frozenset[int]) -> list[Sequence]:
         """Advance each request by its step's result; return the ones that finished.
@@ -227,33 +245,30 @@ class Scheduler:
         last prompt token or a plain decode, ``len(draft) + 1`` for a verify.
         """
         finished = []
+        # One conversion for the whole step (not one numpy scalar per token).
+        flat = np.concatenate(sampled).tolist() if sampled else []
+        at = 0
         for seq, num_new, draft, tokens in zip(batch.seqs, batch.num_new, batch.drafts, sampled,
                                                strict=True):
-            if len(tokens) == 0:
+            count = len(tokens)
+            if count == 0:
                 seq.num_computed += num_new
                 continue
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == int(tokens[accepted]):
-                accepted += 1
-            seq.num_computed += num_new - len(draft) + accepted
-            self.num_draft_tokens += len(draft)
-            self.num_accepted += accepted
+            new = flat[at:at + count]
+            at += count
+            if draft:  # verify: the draft's accepted prefix, then the first correction
+                accepted = 0
+                while accepted < len(draft) and draft[accepted] == new[accepted]:
+                    accepted += 1
+                self.num_draft_tokens += len(draft)
+                self.num_accepted += accepted
+                seq.num_draft_tokens += len(draft)
+                seq.num_accepted += accepted
+                num_new -= len(draft) - accepted
+                new = new[:accepted + 1]
+            seq.num_computed += num_new
             self.steps_without_token = 0
-            seq.num_draft_tokens += len(draft)
-            seq.num_accepted += accepted
-            stop_ids = seq.params.stop_token_ids
-            for token in [*draft[:accepted], int(tokens[accepted])]:
-                seq.token_ids.append(token)
-                if token in eos_ids and not seq.params.ignore_eos:
-                    seq.finish_reason = "stop"
-                elif token in stop_ids:
-                    seq.finish_reason, seq.stop_reason = "stop", token
-                elif seq.remaining_new_tokens == 0 or len(seq) >= self.max_model_len:
-                    seq.finish_reason = "length"
-                if seq.finish_reason is not None:
-                    seq.status = Status.FINISHED
-                    break
-            if seq.status is Status.FINISHED:
+            if self._append(seq, new, eos_ids):
                 self.block_manager.free(seq)
                 self.tokens_left -= seq.num_prompt_tokens + seq.params.max_tokens
                 finished.append(seq)

@@ -1,0 +1,135 @@
+"""Host microseconds per decode step, stage by stage, with no model: what the engine's own
+Python costs before and after the device runs.
+
+A scheduler, block manager and runner host half (``ModelRunner(model=None)``, as the
+tensor-parallel engine's rank 0 uses it) serve ``batch`` requests that have finished a
+``context``-token prefill.  Each decode step runs the host stages of the real step path:
+
+* ``schedule``: Scheduler.schedule (pages for every request, its token budget);
+* ``prepare``: flat input ids, positions, query starts, sequence lengths, logit rows;
+* ``group_inputs``: each KV group's block table and slot mapping (numpy here);
+* ``postprocess``: Scheduler.postprocess on one sampled token per request.
+
+Not counted: the attention metadata build (``benchmarks.metadata``: host build per
+step, and none under CUDA graphs with ``build_on_device``), sampling, and publishing to
+client streams (``benchmarks.engine_core`` times the whole loop).
+
+Side by side in one run, alternated per step: the scheduler's vectorised decode pass on
+and off (``Scheduler._decodes_at_once``), and two KV groups (chunked + global, Llama-4's
+hybrid cache) against one (the same model with chunking off).
+
+    python -m benchmarks.host_step                  # batch 64 and 256, 1k contexts
+    python -m benchmarks.host_step --smoke
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.common import base_parser, format_table, write_json
+
+STAGES = ("schedule", "prepare", "group_inputs", "postprocess")
+
+
+def make_engine(batch: int, context: int, chunk_size: int | None, block_size: int = 16):
+    """(scheduler, runner) holding ``batch`` requests just past a ``context``-token prefill."""
+    from chunklocal.backends.base import Kind
+    from chunklocal.engine.block_manager import BlockManager, KVGroup
+    from chunklocal.engine.model_runner import ModelRunner
+    from chunklocal.engine.sampling import SamplingParams
+    from chunklocal.engine.scheduler import Scheduler
+    from chunklocal.engine.sequence import Sequence
+    from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec
+
+    geometry = (block_size, 8, 128, torch.bfloat16)
+    max_len = context + 4096
+    whole = -(-max_len // block_size) * batch
+    if chunk_size is None:
+        groups, kind_to_group = [KVGroup(FullAttentionSpec(*geometry), whole)], {Kind.GLOBAL: 0}
+    else:
+        local = -(-(chunk_size + batch) // block_size) * batch
+        groups = [KVGroup(FullAttentionSpec(*geometry), whole),
+                  KVGroup(ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=chunk_size),
+                          local)]
+        kind_to_group = {Kind.GLOBAL: 0, Kind.CHUNKED: 1}
+    manager = BlockManager(groups, batch, -(-max_len // block_size))
+    scheduler = Scheduler(manager, batch, max(8192, batch * context), max_len)
+    runner = ModelRunner(None, manager, kind_to_group, [], "cpu", torch.bfloat16,
+                         chunk_size=chunk_size)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=4096, ignore_eos=True)
+    for i in range(batch):
+        scheduler.add(Sequence(i, rng.integers(0, 1000, context).tolist(), params,
+                               len(groups)))
+    while scheduler.waiting or any(s.num_uncomputed > 1 for s in scheduler.running):
+        step(scheduler, runner, None)
+    return scheduler, runner
+
+
+def step(scheduler, runner, times: dict | None) -> None:
+    """One host step; adds each stage's nanoseconds to ``times`` (when given)."""
+    t0 = time.perf_counter_ns()
+    batch = scheduler.schedule()
+    t1 = time.perf_counter_ns()
+    inputs = runner.prepare(batch)
+    t2 = time.perf_counter_ns()
+    runner.group_inputs(batch, inputs, on_device=False)
+    t3 = time.perf_counter_ns()
+    sampled = [np.array([7]) if k else np.zeros(0, np.int64)
+               for k in np.bincount(inputs.logit_owner, minlength=len(batch.seqs))]
+    t4 = time.perf_counter_ns()
+    scheduler.postprocess(batch, sampled, frozenset())
+    t5 = time.perf_counter_ns()
+    if times is not None:
+        for name, ns in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t5 - t4), strict=True):
+            times[name].append(ns / 1e3)
+
+
+def measure(batches, context, chunk_size, steps) -> list[dict]:
+    from chunklocal.engine.scheduler import Scheduler
+
+    rows = []
+    for batch in batches:
+        cases = {}
+        for groups, chunk in (("2 (chunked + global)", chunk_size), ("1 (global)", None)):
+            for vectorised in (True, False):
+                scheduler, runner = make_engine(batch, context, chunk)
+                if not vectorised:
+                    scheduler._decodes_at_once = lambda *args: False
+                cases[(groups, vectorised)] = (scheduler, runner, {s: [] for s in STAGES})
+        for _ in range(steps):  # alternated: the machine's drift hits every case alike
+            for scheduler, runner, times in cases.values():
+                step(scheduler, runner, times)
+        for (groups, vectorised), (scheduler, _, times) in cases.items():
+            assert scheduler.num_preemptions == 0 and len(scheduler.running) == batch
+            medians = {f"{s}_us": float(np.median(times[s])) for s in STAGES}
+            rows.append({"batch": batch, "context": context, "kv_groups": groups,
+                         "decode_pass": "vectorised" if vectorised else "per request",
+                         **medians, "host_us": sum(medians.values())})
+        assert Scheduler._decodes_at_once is not None
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--chunk-size", type=int, default=8192)
+    args = parser.parse_args(argv)
+    steps = args.repeats or 300
+    if args.smoke:
+        args.batch, args.context, steps = [4], 40, 5
+    rows = measure(args.batch, args.context, args.chunk_size, steps)
+    print(format_table(rows))
+    path = write_json("host_step_smoke" if args.smoke else "host_step",
+                      {"args": vars(args), "steps": steps, "rows": rows}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
