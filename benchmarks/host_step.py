@@ -12,7 +12,10 @@ tensor-parallel engine's rank 0 uses it) serve ``batch`` requests that have fini
 
 Not counted: the attention metadata build (``benchmarks.metadata``: host build per
 step, and none under CUDA graphs with ``build_on_device``), sampling, and publishing to
-client streams (``benchmarks.engine_core`` times the whole loop).
+client streams (``benchmarks.engine_core`` times the whole loop) except its costly part,
+``detokenize``: one token into each request's incremental detokenizer, with tokenizers'
+DecodeStream and with the two-decodes Python path, on a byte-level BPE tokenizer trained
+here (``--tokenizer DIR`` for a real one).
 
 Side by side in one run, alternated per step: the scheduler's vectorised decode pass on
 and off (``Scheduler._decodes_at_once``), and two KV groups (chunked + global, Llama-4's
@@ -90,8 +93,6 @@ def step(scheduler, runner, times: dict | None) -> None:
 
 
 def measure(batches, context, chunk_size, steps) -> list[dict]:
-    from chunklocal.engine.scheduler import Scheduler
-
     rows = []
     for batch in batches:
         cases = {}
@@ -110,7 +111,47 @@ def measure(batches, context, chunk_size, steps) -> list[dict]:
             rows.append({"batch": batch, "context": context, "kv_groups": groups,
                          "decode_pass": "vectorised" if vectorised else "per request",
                          **medians, "host_us": sum(medians.values())})
-        assert Scheduler._decodes_at_once is not None
+    return rows
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE (Llama-4's kind) trained on mixed-script text, 4k tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["chunked local attention over a paged cache, one chunk at a time",
+              "naïve café déjà vu — ünïcödé", "数据 注意力 分块 缓存", "emoji 🙂 🚀 ✨"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def detokenize_rows(tokenizer, batches, steps) -> list[dict]:
+    """Host us per step to detokenize one new token of each of ``batch`` requests."""
+    from chunklocal.engine.detokenize import IncrementalDetokenizer
+
+    class PythonPath:  # the tokenizer without its Rust backend
+        decode = tokenizer.decode
+
+    text = "chunked local attention — naïve café 数据 🙂 " * 64
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:steps]
+    rows = []
+    for batch in batches:
+        for name, tok in (("DecodeStream", tokenizer), ("python", PythonPath())):
+            detoks = [IncrementalDetokenizer(tok) for _ in range(batch)]
+            times = []
+            for token in ids:
+                start = time.perf_counter_ns()
+                for d in detoks:
+                    d.add(token)
+                times.append((time.perf_counter_ns() - start) / 1e3)
+            rows.append({"batch": batch, "detokenizer": name,
+                         "detokenize_us": float(np.median(times)),
+                         "us_per_token": float(np.median(times)) / batch})
     return rows
 
 
@@ -119,14 +160,25 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--chunk-size", type=int, default=8192)
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer directory (default: a byte-level BPE trained here)")
     args = parser.parse_args(argv)
     steps = args.repeats or 300
     if args.smoke:
         args.batch, args.context, steps = [4], 40, 5
     rows = measure(args.batch, args.context, args.chunk_size, steps)
     print(format_table(rows))
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        tokenizer = byte_level_tokenizer()
+    detok = detokenize_rows(tokenizer, args.batch, min(steps, 200))
+    print(format_table(detok))
     path = write_json("host_step_smoke" if args.smoke else "host_step",
-                      {"args": vars(args), "steps": steps, "rows": rows}, args.out)
+                      {"args": vars(args), "steps": steps, "rows": rows, "detokenize": detok},
+                      args.out)
     print(f"wrote {path}")
     return 0
 

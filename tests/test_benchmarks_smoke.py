@@ -205,3 +205,12 @@ def test_engine_core_smoke(tmp_path):
     assert steps["steps"] == 6 and steps["host_ms"] < steps["step_ms"]
     assert {row["case"] for row in data["sampling"]} >= {"greedy", "seeded_T0.8_top_p0.95"}
     assert [row["async_scheduling"] for row in data["overlap"]] == [False, True] * 2
+
+
+def test_host_step_smoke(tmp_path):
+    from benchmarks import host_step
+
+    assert host_step.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "host_step_smoke.json")
+    assert len(data["rows"]) == 4 and len(data["detokenize"]) == 2
+    assert all(r["host_us"] > 0 for r in data["rows"])

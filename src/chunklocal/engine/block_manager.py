@@ -90,9 +90,9 @@ class BlockManager:
         self.tables = [np.zeros((max_rows, max_pages), dtype=np.int32) for _ in groups]
         self.free_rows = deque(range(max_rows))
 
-    def table_rows(self, seqs, g: int, width: int) -> np.ndarray:
-        """[len(seqs), width] block table of group ``g`` (a copy)."""
-        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+    def table_rows(self, rows: np.ndarray, g: int, width: int) -> np.ndarray:
+        """[len(rows), width] block table of group ``g`` for the requests holding table
+        rows ``rows`` (each ``seq.row``; a copy)."""
         return self.tables[g][rows, :width]
 
     def can_allocate(self, seq: Sequence, num_new: int) -> bool:

@@ -124,14 +124,17 @@ class ModelRunner:
         np.cumsum(query_lens, out=qsl[1:])
         num_tokens = int(qsl[-1])
         positions = np.arange(num_tokens) + np.repeat(starts - qsl[:-1], query_lens)
-        # One Python slice per request; the tokens themselves are copied in C.
-        pieces = (s.token_ids[s.num_computed:s.num_computed + n - len(d)] + d
-                  for s, n, d in zip(seqs, batch.num_new, batch.drafts, strict=True))
-        input_ids = np.fromiter(chain.from_iterable(pieces), np.int64, num_tokens)
+        if num_tokens == len(seqs):  # one token each: no slices (no drafts either)
+            input_ids = np.fromiter((s.token_ids[s.num_computed] for s in seqs), np.int64,
+                                    num_tokens)
+        else:  # one Python slice per request; the tokens themselves are copied in C
+            pieces = (s.token_ids[s.num_computed:s.num_computed + n - len(d)] + d
+                      for s, n, d in zip(seqs, batch.num_new, batch.drafts, strict=True))
+            input_ids = np.fromiter(chain.from_iterable(pieces), np.int64, num_tokens)
         seq_lens = starts + query_lens
         # Requests whose step reaches their last known token choose new tokens:
         # one row for prefill/decode, every row of a verify window.
-        lengths = np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
+        lengths = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
         num_draft = np.fromiter((len(d) for d in batch.drafts), np.int64, len(seqs))
         rows_per_seq = np.where(seq_lens - num_draft >= lengths, num_draft + 1, 0)
         logit_owner = np.repeat(np.arange(len(seqs)), rows_per_seq)
@@ -155,9 +158,10 @@ class ModelRunner:
         """Block table (numpy) and slot mapping (device, or numpy) of every KV group."""
         row_of_token = np.repeat(np.arange(len(batch.seqs)), np.diff(inputs.query_start_loc))
         width = max(1, int(cdiv(inputs.seq_lens.max(), self.block_size)))
+        rows = np.fromiter((s.row for s in batch.seqs), np.int64, len(batch.seqs))
         tables, slots = [], []
         for g in range(len(self.groups)):
-            table = self.block_manager.table_rows(batch.seqs, g, width)
+            table = self.block_manager.table_rows(rows, g, width)
             pages = table[row_of_token, inputs.positions // self.block_size].astype(np.int64)
             slot = pages * self.block_size + inputs.positions % self.block_size
             tables.append(table)
