@@ -177,7 +177,8 @@ def main(argv=None) -> int:
     detok = detokenize_rows(tokenizer, args.batch, min(steps, 200))
     print(format_table(detok))
     path = write_json("host_step_smoke" if args.smoke else "host_step",
-                      {"args": vars(args), "steps": steps, "rows": rows, "detokenize": detok},
+                      {"args": vars(args), "steps": steps, "rows": rows, "detokenize": detok,
+                       "errors": []},
                       args.out)
     print(f"wrote {path}")
     return 0
