@@ -214,3 +214,38 @@ def test_host_step_smoke(tmp_path):
     data = _load(tmp_path / "host_step_smoke.json")
     assert len(data["rows"]) == 4 and len(data["detokenize"]) == 2
     assert all(r["host_us"] > 0 for r in data["rows"])
+
+
+def test_device_busy_time_is_the_union_of_kernel_intervals():
+    from benchmarks.floors import busy_and_span
+
+    # [0,4) and [2,5) overlap -> 5; [7,8) -> 1; [7.5,7.6) inside; span 0..8
+    assert busy_and_span([(7, 8), (0, 4), (2, 5), (7.5, 7.6)]) == (6, 8)
+    assert busy_and_span([(1, 2)]) == (1, 1)
+
+
+def test_decode_floor_smoke(tmp_path):
+    from benchmarks import decode_floor
+    from benchmarks.fp8_dummy import SMOKE
+
+    assert decode_floor.main(["--smoke", "--profile", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "decode_floor_smoke.json")
+    assert [(r["batch"], r["context"]) for r in data["decode"]] == [(1, 40), (3, 40), (1, 70),
+                                                                   (3, 70)]
+    # One routed expert (gate, up, down; float32 on the CPU) from the config alone.
+    expert = 3 * SMOKE["hidden_size"] * SMOKE["intermediate_size"] * 4
+    kv_per_key = 2 * SMOKE["num_key_value_heads"] * SMOKE["head_dim"] * 4
+    chunk = SMOKE["attention_chunk_size"]
+    for row in data["decode"]:
+        distinct = row["experts_per_moe_layer"]
+        assert len(distinct) == 4 and all(1 <= d <= min(row["batch"], 16) for d in distinct)
+        assert row["routed_bytes"] == sum(distinct) * expert
+        assert row["kv_bytes"] % kv_per_key == 0
+        keys = row["kv_bytes"] // kv_per_key  # 3 chunked + 1 global layer, queries past ctx
+        assert row["batch"] * (3 * 1 + row["context"]) <= keys
+        assert keys <= row["batch"] * (3 * chunk + row["context"] + 200)
+        assert row["bytes"] == row["dense_bytes"] + row["routed_bytes"] + row["kv_bytes"]
+        assert row["graph_ms"] > 0 and row["eager_ms"] > 0 and row["floor_ms"] > 0
+    assert [r["prompt_len"] for r in data["prefill"]] == [90]
+    assert {(r["model"], r["mode"]) for r in data["alternate"]} >= {("chunked", "graphs"),
+                                                                    ("unchunked", "eager")}

@@ -1,0 +1,312 @@
+"""Decode and prefill steps of Llama-4 geometries against their floors, in one run (GPU).
+
+Models (random weights, ``load_format="dummy"``: only config.json is written):
+
+* ``scout4``: Scout's published text config at 4 layers (16 experts top-1 + the shared
+  expert on every layer, 3 chunked RoPE layers + 1 global NoPE layer), bf16;
+* ``maverick4``: Maverick's geometry at 4 layers (128 experts, MoE every other layer,
+  dense MLP 16384 on the others), bf16;
+* ``scout-fp8``: full-size Scout (48 layers) with the community FP8-dynamic quantization.
+
+For each (batch, context) cell the requests' KV pages are allocated as a prefill would leave
+them, without computing it (the cache holds zeros: the step reads the same bytes), then
+``--steps`` decode steps are timed with CUDA graphs and eagerly (``ModelRunner.run``: host
+preparation, the forward, sampling and the copy of the tokens to the host).  A cell whose KV
+does not fit runs the largest batch that does.  The floor of a step is the bytes it must read
+(benchmarks/floors.py: dense weights, the experts its tokens chose -- counted in an untimed
+eager step --, the LM head, the KV) at the copy rate measured in the same run; of a prefill,
+its FLOPs at the matmul rate measured in the same run.  ``--profile`` adds torch.profiler's
+device time per kernel and the device's idle time per step, for graphs and eager.
+``--alternate N``: the chunked model against the same weights with chunking off (both read the
+same KV at contexts under the chunk), N alternated repeats, the spread reported.
+
+    python -m benchmarks.decode_floor --models scout4 maverick4 --profile --alternate 5
+    python -m benchmarks.decode_floor --models scout-fp8 --batches 1 16 64 --contexts 1024
+    python -m benchmarks.decode_floor --smoke          # CPU: checks the logic
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import floors
+from benchmarks.common import (
+    base_parser,
+    format_table,
+    guarded,
+    measure_copy_bytes_per_s,
+    measure_matmul_flops,
+    write_json,
+)
+from benchmarks.fp8_dummy import FP8_DYNAMIC, SCOUT_TEXT
+from benchmarks.fp8_dummy import SMOKE as SMOKE_TEXT
+
+FOUR = dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
+MODELS = {
+    "scout4": (dict(FOUR, moe_layers=[0, 1, 2, 3]), None),
+    "maverick4": (dict(FOUR, num_local_experts=128, interleave_moe_layer_step=2,
+                       moe_layers=[1, 3]), None),
+    "scout-fp8": ({}, FP8_DYNAMIC),
+    "smoke": (SMOKE_TEXT, None),
+}
+
+
+def write_config(path: Path, model: str, chunked: bool = True) -> Path:
+    text_changes, quant = MODELS[model]
+    text = {**SCOUT_TEXT, **text_changes}
+    if not chunked:  # every layer global, the same weights
+        text.update(attention_chunk_size=None,
+                    layer_types=["full_attention"] * text["num_hidden_layers"])
+    config = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+              "text_config": text, "vision_config": {}, "tie_word_embeddings": False}
+    if quant:
+        config["quantization_config"] = quant
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def make_llm(path, device, max_num_seqs, max_model_len, num_kv_blocks):
+    import chunklocal
+
+    return chunklocal.LLM(path, device=str(device), load_format="dummy",
+                          dtype=None if device.type == "cuda" else torch.float32,
+                          max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                          max_num_batched_tokens=max(8192, max_num_seqs),
+                          num_kv_blocks=num_kv_blocks, cuda_graphs=device.type == "cuda")
+
+
+def fill(llm, batch: int, context: int, new: int) -> int:
+    """Admit ``batch`` requests of ``context`` tokens and give them their pages as a
+    prefill would (nothing is computed: the scheduler and block manager run, the model
+    does not); how many fit at once.  Requests that wait for pages are dropped."""
+    from chunklocal.engine.sampler import sampling_row
+    from chunklocal.engine.sampling import SamplingParams
+    from chunklocal.engine.sequence import Sequence
+
+    sched = llm.scheduler
+    sched.abort_all()
+    # fill may decode a few tokens of early requests while later ones still prefill
+    params = SamplingParams(max_tokens=new + 64, ignore_eos=True, temperature=0.0)
+    rng = np.random.default_rng(batch * 7919 + context)
+    for i in range(batch):
+        seq = Sequence(i, rng.integers(0, llm.config.vocab_size, context).tolist(), params,
+                       len(llm.groups))
+        seq.sampling_row = sampling_row(params)
+        sched.add(seq)
+    while sched.waiting or any(len(s.token_ids) - s.num_computed > 1 for s in sched.running):
+        step = sched.schedule()
+        if sched.waiting and all(n == 1 for n in step.num_new):  # the pool is full
+            for seq in list(sched.waiting):
+                sched.abort(seq)
+        sampled = [np.array([1]) if s.num_computed + n >= len(s.token_ids) else
+                   np.zeros(0, np.int64) for s, n in zip(step.seqs, step.num_new, strict=True)]
+        sched.postprocess(step, sampled, frozenset())
+    return len(sched.running)
+
+
+def timed_steps(llm, steps: int, graphs: bool, device) -> list[float]:
+    """Milliseconds of ``steps`` decode steps of every running request."""
+    runner, sched = llm.runner, llm.scheduler
+    saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
+    times = []
+    try:
+        for _ in range(steps):
+            batch = sched.schedule()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            out = runner.run(batch)  # returns host tokens: the step is over
+            times.append((time.perf_counter() - start) * 1e3)
+            sched.postprocess(batch, out.tokens, frozenset())
+    finally:
+        runner.graphs = saved
+    return times
+
+
+def decode_cell(llm, model, batch, context, args, rates, device) -> dict:
+    fitted = fill(llm, batch, context, 3 * args.steps + 16)
+    row = {"model": model, "batch": fitted, "asked_batch": batch, "context": context}
+    if fitted == 0:
+        return row | {"error": "no request fits the KV pool"}
+    timed_steps(llm, 3, True, device)  # warm-up (graph replays, FlashInfer plans)
+    graph = timed_steps(llm, args.steps, True, device)
+    timed_steps(llm, 2, False, device)
+    with floors.RoutingCounter() as routing:
+        timed_steps(llm, 1, False, device)
+    eager = timed_steps(llm, args.steps, False, device)
+    positions = np.fromiter((s.num_computed for s in llm.scheduler.running), np.int64)
+    spec = llm.groups[0].spec
+    kv_per_key = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+    need = floors.decode_bytes(llm.model, llm.config, llm.layer_kinds, positions,
+                               routing.distinct or None, kv_per_key)
+    floor_ms = need["bytes"] / rates["copy_bytes_per_s"] * 1e3
+    row.update(graph_ms=statistics.median(graph), eager_ms=statistics.median(eager),
+               floor_ms=floor_ms, experts_per_moe_layer=routing.distinct, **need)
+    row.update(graph_share=floor_ms / row["graph_ms"], eager_share=floor_ms / row["eager_ms"])
+    if args.profile and batch in args.profile_batches:
+        for mode in ("graphs", "eager"):
+            row[f"profile_{mode}"] = floors.kernel_profile(
+                lambda m=mode: timed_steps(llm, 1, m == "graphs", device), 5, device)
+    llm.scheduler.abort_all()
+    return row
+
+
+def prefill_cell(llm, model, prompt_len, rates, device) -> dict:
+    """One ``prompt_len`` prompt, prefilled for real in steps of max_num_batched_tokens."""
+    from chunklocal.engine.sampler import sampling_row
+    from chunklocal.engine.sampling import SamplingParams
+    from chunklocal.engine.sequence import Sequence
+
+    sched, runner = llm.scheduler, llm.runner
+    sched.abort_all()
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    prompt = np.random.default_rng(1).integers(0, llm.config.vocab_size, prompt_len).tolist()
+    seq = Sequence(0, prompt, params, len(llm.groups))
+    seq.sampling_row = sampling_row(params)
+    sched.add(seq)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start, steps = time.perf_counter(), 0
+    while sched.has_work():
+        batch = sched.schedule()
+        sched.postprocess(batch, runner.run(batch).tokens, frozenset())
+        steps += 1
+    seconds = time.perf_counter() - start
+    dense, expert = floors.param_counts(llm.model)
+    flops = floors.prefill_flops(llm.config, llm.layer_kinds, prompt_len, dense, expert)
+    floor_s = flops / rates["matmul_flops_per_s"]
+    return {"model": model, "prompt_len": prompt_len, "steps": steps, "prefill_s": seconds,
+            "tflops_per_s": flops / seconds / 1e12, "floor_s": floor_s,
+            "share": floor_s / seconds}
+
+
+def alternate(path, device, args, rates) -> list[dict]:
+    """The chunked model against the same weights unchunked: ``args.alternate`` repeats of
+    ``args.steps`` steps each, alternated, graphs and eager."""
+    batch, context = args.alternate_batch, args.alternate_context
+    new = args.alternate * args.steps * 2 + 32
+    unchunked = write_config(path.parent / (path.name + "-unchunked"), args.models[0], False)
+    pages = batch * -(-(context + new + 80) // 16)
+    llms = {name: make_llm(p, device, batch, context + new + 80, pages)
+            for name, p in (("chunked", path), ("unchunked", unchunked))}
+    for llm in llms.values():
+        if fill(llm, batch, context, new) != batch:
+            raise RuntimeError("the alternation's batch does not fit")
+        timed_steps(llm, 3, True, device)
+    runs = {(n, m): [] for n in llms for m in ("graphs", "eager")}
+    for _ in range(args.alternate):
+        for (name, mode), medians in runs.items():
+            medians.append(statistics.median(
+                timed_steps(llms[name], args.steps, mode == "graphs", device)))
+    rows = []
+    for (name, mode), medians in runs.items():
+        rows.append({"model": name, "mode": mode, "batch": batch, "context": context,
+                     "median_ms": statistics.median(medians), "min_ms": min(medians),
+                     "max_ms": max(medians), "repeats_ms": medians})
+    for mode in ("graphs", "eager"):
+        a, b = (runs[("chunked", mode)], runs[("unchunked", mode)])
+        rows.append({"model": "chunked / unchunked", "mode": mode,
+                     "median_ms": statistics.median(a) / statistics.median(b)})
+    del llms
+    gc.collect()
+    return rows
+
+
+def measure_rates(device) -> dict:
+    if device.type == "cuda":
+        return {"copy_bytes_per_s": measure_copy_bytes_per_s(device),
+                "matmul_flops_per_s": measure_matmul_flops(device)}
+    src = torch.ones(1 << 24, dtype=torch.uint8)  # smoke only: the numbers mean nothing
+    start = time.perf_counter()
+    src.clone()
+    copy = 2 * src.numel() / (time.perf_counter() - start)
+    a = torch.randn(256, 256)
+    start = time.perf_counter()
+    a @ a
+    return {"copy_bytes_per_s": copy, "matmul_flops_per_s": 2 * 256**3 /
+            (time.perf_counter() - start)}
+
+
+def run_model(model, path, args, rates, device, rows, prefill, errors) -> None:
+    """Every (context, batch) decode cell and the prefill of one model, on one engine."""
+    max_len = max(args.contexts + [args.prefill]) + 3 * args.steps + 96
+    pages = None if model == "scout-fp8" else max(args.batches) * -(-max_len // 16)
+    llm = guarded(model, lambda: make_llm(path, device, max(args.batches), max_len, pages),
+                  errors)
+    if llm is None:
+        return
+    for context in args.contexts:
+        for batch in args.batches:
+            row = guarded(f"{model} b{batch} c{context}", lambda b=batch, c=context:
+                          decode_cell(llm, model, b, c, args, rates, device), errors)
+            if row:
+                rows.append(row)
+                print(format_table([{k: v for k, v in row.items()
+                                     if not isinstance(v, dict | list)}]), flush=True)
+    if args.prefill:
+        row = guarded(f"{model} prefill", lambda: prefill_cell(
+            llm, model, args.prefill, rates, device), errors)
+        if row:
+            prefill.append(row)
+            print(format_table([row]), flush=True)
+    llm.shutdown()
+
+
+def main(argv=None) -> int:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["scout4", "maverick4"],
+                        choices=sorted(MODELS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
+    parser.add_argument("--prefill", type=int, default=32768, help="prompt tokens (0: none)")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per mode")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--alternate", type=int, default=0)
+    parser.add_argument("--alternate-batch", type=int, default=64)
+    parser.add_argument("--alternate-context", type=int, default=1024)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.models, args.batches, args.contexts, args.prefill = ["smoke"], [1, 3], [40, 70], 90
+        args.steps, args.profile_batches = 2, [3]
+        args.alternate, args.alternate_batch, args.alternate_context = 2, 3, 40
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rates = measure_rates(device)
+    rows, prefill, alternation, errors = [], [], [], []
+    name = "decode_floor_smoke" if args.smoke else "decode_floor"
+
+    def save():
+        return write_json(name, {"args": vars(args), "rates": rates, "decode": rows,
+                                 "prefill": prefill, "alternate": alternation,
+                                 "errors": errors}, args.out)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            run_model(model, write_config(Path(tmp) / model, model), args, rates, device,
+                      rows, prefill, errors)
+            gc.collect()  # the engine is gone with run_model's frame: free its memory
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            save()
+        if args.alternate:
+            path = Path(tmp) / args.models[0]
+            alternation.extend(guarded("alternate", lambda: alternate(
+                path, device, args, rates), errors) or [])
+            print(format_table([{k: v for k, v in r.items() if k != "repeats_ms"}
+                                for r in alternation]), flush=True)
+    print(f"wrote {save()}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

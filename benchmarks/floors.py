@@ -1,0 +1,159 @@
+"""What a step must cost at the least, and where a measured step's device time went.
+
+* :func:`decode_bytes`: the bytes one decode step must read: every dense weight (attention,
+  shared experts, dense MLPs, norms, the LM head), the routed experts the step's tokens
+  actually chose (counted in an eager step, see :class:`RoutingCounter`), and the KV each
+  request's query reads (its chunk in chunked layers, its whole context in global ones).
+  Divided by the copy rate measured in the same run it is the step's floor.
+* :func:`prefill_flops`: the useful FLOPs of a prefill: 2 per weight per token for the dense
+  weights and the ``top_k`` experts each token uses, plus causal attention (4 * heads *
+  head_dim per (query, visible key) pair, within the chunk on chunked layers).
+* :func:`kernel_profile`: ``torch.profiler`` over a few steps: device time per kernel and the
+  device's idle time per step (the profiled span less the union of kernel intervals).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+
+def weight_bytes(model) -> tuple[int, list[tuple[int, int]]]:
+    """(bytes of every weight outside the routed experts, [(num_experts, bytes of one
+    routed expert)] per MoE layer).  A stacked shared expert (slot E) counts as dense."""
+    from chunklocal.models.loader import weights
+    from chunklocal.models.moe import MoE
+
+    total = sum(t.numel() * t.element_size() for t in weights(model).values())
+    moe = []
+    for module in model.modules():
+        if isinstance(module, MoE):
+            ex = module.experts
+            stack = [ex.w13, ex.w2, ex.w13_scale, ex.w2_scale]
+            per = sum(t[0].numel() * t.element_size() for t in stack if t is not None)
+            moe.append((module.num_local, per))
+            total -= per * module.num_local
+    return total, moe
+
+
+def param_counts(model) -> tuple[int, int]:
+    """(weights every prefill token uses: all but the embedding, the LM head and the routed
+    experts; one routed expert's weights summed over the MoE layers).  FP8 scales left out."""
+    from chunklocal.models.moe import MoE
+
+    dense = sum(p.numel() for name, p in model.named_parameters()
+                if "embed_tokens" not in name and "lm_head" not in name)
+    expert = 0
+    for module in model.modules():
+        if isinstance(module, MoE):
+            ex = module.experts
+            expert += ex.w13[0].numel() + ex.w2[0].numel()
+            dense -= (ex.w13[0].numel() + ex.w2[0].numel()) * module.num_local
+    return dense, expert
+
+
+class RoutingCounter:
+    """Distinct experts chosen per MoE call while active (wraps ``models.moe.route``;
+    it syncs, so only for untimed eager steps)."""
+
+    def __init__(self):
+        self.distinct: list[int] = []
+
+    def __enter__(self):
+        from chunklocal.models import moe
+
+        self._module, self._route = moe, moe.route
+
+        def counting(x, router, top_k):
+            expert, score = self._route(x, router, top_k)
+            self.distinct.append(int(expert.unique().numel()))
+            return expert, score
+
+        moe.route = counting
+        return self
+
+    def __exit__(self, *exc):
+        self._module.route = self._route
+
+
+def kv_keys(context: np.ndarray, layer_kinds, chunk_size: int | None) -> int:
+    """Keys all layers read for queries at positions ``context`` (one per request)."""
+    from chunklocal.backends.base import Kind
+
+    keys = 0
+    for kind in layer_kinds:
+        if kind is Kind.CHUNKED and chunk_size:
+            keys += int((context % chunk_size + 1).sum())
+        else:
+            keys += int((context + 1).sum())
+    return keys
+
+
+def decode_bytes(model, config, layer_kinds, positions: np.ndarray, distinct_experts,
+                 kv_bytes_per_key: int) -> dict:
+    """Bytes of one decode step whose queries sit at ``positions``; ``distinct_experts``:
+    experts chosen per MoE layer in this step (None: every expert)."""
+    dense, moe = weight_bytes(model)
+    if distinct_experts is None:
+        distinct_experts = [n for n, _ in moe]
+    routed = sum(d * per for d, (_, per) in zip(distinct_experts, moe, strict=True))
+    kv = kv_keys(positions, layer_kinds, config.attention_chunk_size) * kv_bytes_per_key
+    return {"dense_bytes": dense, "routed_bytes": routed, "kv_bytes": kv,
+            "bytes": dense + routed + kv}
+
+
+def prefill_flops(config, layer_kinds, prompt_len: int, dense_params: int,
+                  expert_params: int) -> float:
+    """Useful FLOPs of one ``prompt_len`` prefill (``dense_params``: weights every token
+    uses, LM head excluded -- only the last position needs logits; ``expert_params``: one
+    routed expert's weights, summed over MoE layers)."""
+    from chunklocal.backends.base import Kind
+
+    pos = np.arange(prompt_len, dtype=np.int64)
+    per_pair = 4 * config.num_attention_heads * config.head_dim
+    pairs = sum(int(((pos % config.attention_chunk_size) if kind is Kind.CHUNKED
+                     and config.attention_chunk_size else pos).sum() + prompt_len)
+                for kind in layer_kinds)
+    linear = 2.0 * prompt_len * (dense_params + config.num_experts_per_tok * expert_params)
+    return linear + per_pair * pairs + 2.0 * config.vocab_size * config.hidden_size
+
+
+def kernel_profile(step, num_steps: int, device) -> dict:
+    """Run ``step()`` ``num_steps`` times under torch.profiler: device ms per kernel (top 12)
+    and device idle ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    spans, per_kernel = [], defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((event.time_range.start, event.time_range.end))
+            per_kernel[event.name] += (event.time_range.end - event.time_range.start) / 1e3
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    result = {"kernels_ms_per_step": {name[:80]: ms / num_steps for name, ms in top}}
+    if spans:
+        busy, span = busy_and_span(spans)
+        result.update(device_busy_ms_per_step=busy / 1e3 / num_steps,
+                      device_idle_ms_per_step=(span - busy) / 1e3 / num_steps)
+    return result
+
+
+def busy_and_span(spans) -> tuple[float, float]:
+    """(length of the union of the [start, end) intervals, last end - first start)."""
+    spans = sorted(spans)
+    busy, (start, end) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    busy += end - start
+    return busy, max(e for _, e in spans) - spans[0][0]
