@@ -3,7 +3,8 @@
 # runs under its own time limit and writes its JSON after every case, so one hang
 # or failure cannot cost the others.  From the repository root, on the device:
 #   source .whl/device-env.sh && benchmarks/run_device.sh OUT_DIR [SCRIPT ...]
-# SCRIPT is any of kernel_floor metadata cuda_graphs engine moe (default: all but moe).
+# SCRIPT is any of kernel_floor metadata cuda_graphs engine moe decode_floor engine_core
+# host_step (default: the first four).
 # Extra engine arguments go in ENGINE_ARGS.
 set -u
 out=${1:-benchmarks/results}; shift || true
@@ -29,5 +30,9 @@ for s in $scripts; do
     cuda_graphs) bench "${CUDA_GRAPHS_S:-45}" benchmarks.cuda_graphs --out "$out" ;;
     engine) bench "${ENGINE_S:-200}" benchmarks.engine --out "$out" ${ENGINE_ARGS:-} ;;
     moe) bench "${MOE_S:-500}" benchmarks.moe --out "$out" ;;
+    decode_floor) bench "${DECODE_FLOOR_S:-540}" benchmarks.decode_floor --out "$out" \
+        ${DECODE_FLOOR_ARGS:---models scout4 maverick4 --profile --alternate 5} ;;
+    engine_core) bench "${ENGINE_CORE_S:-300}" benchmarks.engine_core --out "$out" ;;
+    host_step) bench 60 benchmarks.host_step --out "$out/host" ;;
   esac
 done
