@@ -237,7 +237,7 @@ def measure_rates(device) -> dict:
             (time.perf_counter() - start)}
 
 
-def run_model(model, path, args, rates, device, rows, prefill, errors) -> None:
+def run_model(model, path, args, rates, device, rows, prefill, errors, save) -> None:
     """Every (context, batch) decode cell and the prefill of one model, on one engine."""
     max_len = max(args.contexts + [args.prefill]) + 3 * args.steps + 96
     pages = None if model == "scout-fp8" else max(args.batches) * -(-max_len // 16)
@@ -253,6 +253,7 @@ def run_model(model, path, args, rates, device, rows, prefill, errors) -> None:
                 rows.append(row)
                 print(format_table([{k: v for k, v in row.items()
                                      if not isinstance(v, dict | list)}]), flush=True)
+            save()  # after every cell, so a time limit keeps what was measured
     if args.prefill:
         row = guarded(f"{model} prefill", lambda: prefill_cell(
             llm, model, args.prefill, rates, device), errors)
@@ -293,7 +294,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             run_model(model, write_config(Path(tmp) / model, model), args, rates, device,
-                      rows, prefill, errors)
+                      rows, prefill, errors, save)
             gc.collect()  # the engine is gone with run_model's frame: free its memory
             if device.type == "cuda":
                 torch.cuda.empty_cache()
