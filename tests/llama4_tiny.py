@@ -8,6 +8,8 @@ attention temperature tuning is active at test lengths.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 
@@ -62,6 +64,12 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max())
+
+
+def prompts_of(lengths, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    """Random prompts of the given lengths (tokens uniform below ``vocab``)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 def copy_prompts(lengths, seed: int, vocab: int, periods=(4, 16)) -> list[list[int]]:
