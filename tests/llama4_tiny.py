@@ -9,6 +9,7 @@ attention temperature tuning is active at test lengths.
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
@@ -127,3 +128,12 @@ def train_copy_llama4(path, device, *, steps=1000, batch_size=64, length=352, lr
             recent.append(loss.detach())
     model.eval().float().save_pretrained(str(path))
     return torch.stack(recent).mean().item()
+
+
+def train_copy_llama4_or_fail(path, device, **kwargs) -> None:
+    """``train_copy_llama4``, timed and printed; fails unless its loss fell below 0.1
+    (an untrained copy model's tokens mean nothing)."""
+    start = time.perf_counter()
+    loss = train_copy_llama4(path, device, **kwargs)
+    print(f"\ncopy-task training: final loss {loss:.3f} in {time.perf_counter() - start:.0f} s")
+    assert loss < 0.1, f"the copy model did not train (loss {loss:.3f}); its tokens mean nothing"
