@@ -32,6 +32,25 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def device_parser(description: str, cpu_help: str = "cpu only with --smoke"
+                  ) -> argparse.ArgumentParser:
+    """``base_parser`` plus ``--device`` (cuda / cpu, default cuda where there is one)."""
+    import torch
+
+    parser = base_parser(description)
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        default="cuda" if torch.cuda.is_available() else "cpu", help=cpu_help)
+    return parser
+
+
+def parse_device_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, refusing a full-size (not ``--smoke``) run on the CPU."""
+    args = parser.parse_args(argv)
+    if args.device == "cpu" and not args.smoke:
+        parser.error("the full-size run needs CUDA; on the CPU only --smoke works")
+    return args
+
+
 def cpu_time_us(fn: Callable[[], object], repeats: int = 200, warmup: int = 10) -> dict:
     """Median / p10 / p90 wall time of ``fn()`` on the host, in microseconds."""
     for _ in range(warmup):
@@ -97,6 +116,17 @@ def measure_matmul_flops(device, n: int = 8192, repeats: int = 20) -> float:
     out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
     ms = cuda_time_ms(lambda: torch.matmul(a, b, out=out), repeats=repeats)["median"]
     return 2 * n**3 / (ms * 1e-3)
+
+
+def measure_ceilings(smoke: bool) -> dict:
+    """The CUDA copy and bf16 matmul rates (small sizes with ``smoke``), printed."""
+    ceilings = {
+        "copy_bytes_per_s": measure_copy_bytes_per_s("cuda", (64 << 20) if smoke else (2 << 30)),
+        "matmul_flops": measure_matmul_flops("cuda", 1024 if smoke else 8192),
+    }
+    print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
+          f"bf16 matmul {ceilings['matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    return ceilings
 
 
 def machine_info() -> dict:

@@ -39,25 +39,13 @@ SMOKE = dict(SCOUT_LAYER, hidden_size=64, num_attention_heads=4, num_key_value_h
 
 
 def write_checkpoint(path: Path, shape: dict, layers: int, max_len: int, device) -> None:
-    from safetensors.torch import save_file
     from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    from benchmarks.engine import save_random_weights  # here: a child never needs it
 
     config = Llama4TextConfig(**shape, num_hidden_layers=layers, max_position_embeddings=max_len,
                               bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    config.dtype = "bfloat16"
-    path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(str(path))
-    with torch.device("meta"):
-        names = Llama4ForCausalLM(config).state_dict()
-    gen = torch.Generator(device=device).manual_seed(0)
-    state = {}
-    for name, meta in names.items():
-        if meta.dim() == 1:
-            state[name] = torch.ones(meta.shape, dtype=torch.bfloat16)
-        else:  # std 0.02: activations stay finite through the layers
-            w = torch.randn(meta.shape, generator=gen, device=device, dtype=torch.bfloat16)
-            state[name] = w.mul_(0.02).cpu()
-    save_file(state, str(path / "model.safetensors"))
+    save_random_weights(path, config, Llama4ForCausalLM, device)
 
 
 def child(model_dir: str, batch: int, context: int, new_tokens: int) -> dict:

@@ -37,18 +37,26 @@ SMOKE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_
 def write_random_checkpoint(path: Path, shape: dict, max_len: int, device: str,
                             seed: int = 0) -> None:
     """config.json + model.safetensors of a dense-MLP Llama-4 text model with random weights."""
-    from safetensors.torch import save_file
     from transformers import Llama4TextConfig
 
     from chunklocal.models.llama4 import Llama4ForCausalLM
 
     config = Llama4TextConfig(**shape, moe_layers=[], max_position_embeddings=max_len,
                               bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    save_random_weights(path, config, Llama4ForCausalLM, device, seed)
+
+
+def save_random_weights(path: Path, config, model_cls, device, seed: int = 0) -> None:
+    """``config`` (as bf16) + model.safetensors holding ``model_cls(config)``'s parameter
+    names: 1-d ones (norms) 1, the others normal with std 0.02 (activations stay finite
+    through the layers), drawn on ``device`` from ``seed``."""
+    from safetensors.torch import save_file
+
     config.dtype = "bfloat16"
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(path))
     with torch.device("meta"):
-        names = Llama4ForCausalLM(config).state_dict()
+        names = model_cls(config).state_dict()
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, meta in names.items():

@@ -19,17 +19,9 @@ import sys
 
 import torch
 
-from benchmarks import dense
+from benchmarks import common, dense
 from benchmarks import workloads as wl
-from benchmarks.common import (
-    base_parser,
-    cuda_time_ms,
-    format_table,
-    guarded,
-    measure_copy_bytes_per_s,
-    measure_matmul_flops,
-    write_json,
-)
+from benchmarks.common import cuda_time_ms, format_table, guarded, write_json
 from benchmarks.steps import make_step_builders
 
 KV_BYTES_PER_TOKEN = 2 * wl.NUM_KV_HEADS * wl.HEAD_DIM * 2  # K and V, bf16
@@ -189,29 +181,18 @@ def run_sdpa(dense_c, ref, ref_index, t_cl, time_ms):
 
 
 def main(argv=None) -> int:
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"),
-                        default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu only with --smoke (torch reference stands in for FlashInfer)")
+    parser = common.device_parser(
+        __doc__.splitlines()[0], "cpu only with --smoke (torch reference stands in for FlashInfer)")
     parser.add_argument("--implementation", choices=("auto", "chunklocal", "direct", "torch"),
                         default="auto", help="what 'chunklocal' means (see benchmarks/steps.py)")
     parser.add_argument("--skip-flex", action="store_true")
     parser.add_argument("--skip-sdpa", action="store_true")
-    args = parser.parse_args(argv)
+    args = common.parse_device_args(parser, argv)
     if args.device == "cpu":
-        if not args.smoke:
-            parser.error("the full-size run needs CUDA; on the CPU only --smoke works")
         args.implementation = "torch"
     torch.manual_seed(0)
     errors: list = []
-    ceilings = {}
-    if args.device == "cuda":
-        size = (64 << 20) if args.smoke else (2 << 30)
-        n = 1024 if args.smoke else 8192
-        ceilings["copy_bytes_per_s"] = measure_copy_bytes_per_s("cuda", size)
-        ceilings["matmul_flops"] = measure_matmul_flops("cuda", n)
-        print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
-              f"bf16 matmul {ceilings['matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    ceilings = common.measure_ceilings(args.smoke) if args.device == "cuda" else {}
     chunk, todo = cases(args.smoke)
     time_ms = timer(args)
     rows = []

@@ -30,15 +30,8 @@ import time
 
 import torch
 
-from benchmarks.common import (
-    base_parser,
-    cuda_time_ms,
-    format_table,
-    guarded,
-    measure_copy_bytes_per_s,
-    measure_matmul_flops,
-    write_json,
-)
+from benchmarks import common
+from benchmarks.common import cuda_time_ms, format_table, guarded, write_json
 from chunklocal.models import moe_triton
 from chunklocal.models.moe import MoE, expert_mm, sort_by_expert
 
@@ -236,31 +229,21 @@ def timer(args):
 
 
 def main(argv=None) -> int:
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"),
-                        default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu only with --smoke")
+    parser = common.device_parser(__doc__.splitlines()[0])
     parser.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES),
                         default=sorted(GEOMETRIES, reverse=True))
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
                         help=f"token counts per step (default {' '.join(map(str, TOKENS))})")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--no-graphs", action="store_true", help="eager timings only")
-    args = parser.parse_args(argv)
-    if args.device == "cpu" and not args.smoke:
-        parser.error("the full-size run needs CUDA; on the CPU only --smoke works")
+    args = common.parse_device_args(parser, argv)
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     args.time_ms = timer(args)
     tokens = args.tokens or ((1, 5, 40) if args.smoke else TOKENS)
     if min(tokens) < 1:
         parser.error(f"--tokens must be positive, got {tokens}")
-    errors, rows, ceilings = [], [], {}
-    if args.device == "cuda":
-        ceilings["copy_bytes_per_s"] = measure_copy_bytes_per_s(
-            "cuda", (64 << 20) if args.smoke else (2 << 30))
-        ceilings["matmul_flops"] = measure_matmul_flops("cuda", 1024 if args.smoke else 8192)
-        print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
-              f"bf16 matmul {ceilings['matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    errors, rows = [], []
+    ceilings = common.measure_ceilings(args.smoke) if args.device == "cuda" else {}
     name = "moe_smoke" if args.smoke else "moe"
     if sorted(args.geometry) != sorted(GEOMETRIES):  # a split run must not overwrite another
         name += "_" + "_".join(args.geometry)

@@ -74,7 +74,7 @@ def make_backend(chunk: int, kernel: str, limits, device, dtype=None):
 
 
 @dataclass(frozen=True)
-class StressBatch:
+class StressBatch(wl.StepLens):
     """One step: int32 numpy ``query_start_loc`` [N+1], ``seq_lens`` [N], ``block_table``
     [N, W] (unused columns 0), and the chunk size it is run with."""
 
@@ -82,14 +82,6 @@ class StressBatch:
     seq_lens: np.ndarray
     block_table: np.ndarray
     chunk: int
-
-    @property
-    def query_lens(self) -> np.ndarray:
-        return np.diff(self.query_start_loc)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_start_loc[-1])
 
     def describe(self) -> dict:
         q = self.query_lens

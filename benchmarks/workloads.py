@@ -21,13 +21,12 @@ NUM_KV_HEADS = 8
 HEAD_DIM = 128
 
 
-@dataclass(frozen=True)
-class Batch:
-    name: str
+class StepLens:
+    """Lengths read off a step's ``query_start_loc`` [N+1] and ``seq_lens`` [N] (mixin for
+    the dataclasses that hold them: ``Batch`` here, ``prefill_common.StressBatch``)."""
+
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
-    block_table: np.ndarray
-    num_pages: int
 
     @property
     def query_lens(self) -> np.ndarray:
@@ -40,6 +39,15 @@ class Batch:
     @property
     def num_reqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+
+@dataclass(frozen=True)
+class Batch(StepLens):
+    name: str
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    num_pages: int
 
 
 def make_batch(name: str, query_lens, seq_lens, *, chunk: int = CHUNK, block: int = BLOCK,

@@ -4,6 +4,7 @@ repository root (for ``import benchmarks``) on sys.path, whatever directory pyte
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,3 +24,40 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The default tiny checkpoint (llama4_tiny.write_tiny_llama4, seed 0), one per module:
+    (path, transformers model).  4 layers (3 chunked RoPE + 1 global NoPE), c=32, MoE on
+    layers 1 and 3, GQA 4/2.  A module with another checkpoint defines its own ``ckpt``."""
+    from llama4_tiny import write_tiny_llama4
+
+    path = tmp_path_factory.mktemp("llama4_tiny")
+    return path, write_tiny_llama4(path, seed=0)
+
+
+@pytest.fixture
+def hold_steps():
+    """``gate, entered = hold_steps(llm)``: from then on every engine step (``llm.runner.run``)
+    sets ``entered`` and waits (30 s at most) for ``gate`` before it runs.  At teardown the
+    gate opens and the real ``run`` is back."""
+    held = []
+
+    def hold(llm):
+        gate, entered = threading.Event(), threading.Event()
+        real_run = llm.runner.run
+
+        def gated(batch):
+            entered.set()
+            gate.wait(30)
+            return real_run(batch)
+
+        llm.runner.run = gated
+        held.append((llm, real_run, gate))
+        return gate, entered
+
+    yield hold
+    for llm, real_run, gate in reversed(held):
+        llm.runner.run = real_run
+        gate.set()

@@ -8,6 +8,9 @@ attention temperature tuning is active at test lengths.
 
 from __future__ import annotations
 
+import random
+import time
+
 import torch
 
 
@@ -62,6 +65,12 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max())
+
+
+def prompts_of(lengths, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    """Random prompts of the given lengths (tokens uniform below ``vocab``)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 def copy_prompts(lengths, seed: int, vocab: int, periods=(4, 16)) -> list[list[int]]:
@@ -119,3 +128,12 @@ def train_copy_llama4(path, device, *, steps=1000, batch_size=64, length=352, lr
             recent.append(loss.detach())
     model.eval().float().save_pretrained(str(path))
     return torch.stack(recent).mean().item()
+
+
+def train_copy_llama4_or_fail(path, device, **kwargs) -> None:
+    """``train_copy_llama4``, timed and printed; fails unless its loss fell below 0.1
+    (an untrained copy model's tokens mean nothing)."""
+    start = time.perf_counter()
+    loss = train_copy_llama4(path, device, **kwargs)
+    print(f"\ncopy-task training: final loss {loss:.3f} in {time.perf_counter() - start:.0f} s")
+    assert loss < 0.1, f"the copy model did not train (loss {loss:.3f}); its tokens mean nothing"

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from llama4_tiny import hf_greedy, hf_logits, rel_err, write_tiny_llama4
+from llama4_tiny import hf_greedy, hf_logits, prompts_of, rel_err, write_tiny_llama4
 
 import chunklocal
 
@@ -30,14 +30,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                "original_max_position_embeddings": 64}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """4 layers (3 chunked RoPE + 1 global NoPE), c=32, MoE on layers 1 and 3, GQA 4/2."""
-    path = tmp_path_factory.mktemp("llama4_a")
-    return path, write_tiny_llama4(path, seed=0)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py, as is ckpt
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +42,6 @@ def ckpt_b(tmp_path_factory):
         no_rope_layers=[1, 1, 0, 1, 1, 0], moe_layers=[0, 2, 5], num_experts_per_tok=2,
         rope_parameters=LLAMA3_ROPE, intermediate_size=48)
     return path, model
-
-
-def prompts_of(lengths, seed=0, vocab=512):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 def check_parity(llm, hf, prompts, max_new_tokens):

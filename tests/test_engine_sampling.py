@@ -9,34 +9,23 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 
 import pytest
 import torch
-from llama4_tiny import hf_logits, write_tiny_llama4
+from llama4_tiny import hf_logits, prompts_of
 from test_engine_sampler import ref_penalties
+from test_engine_threads import run_threads
 
 import chunklocal
 from chunklocal.engine.core import QueueFullError
 from chunklocal.engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama4_sampling")
-    return path, write_tiny_llama4(path, seed=0)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py, as are ckpt, hold_steps
 
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
     return chunklocal.LLM(ckpt[0], max_num_seqs=6, max_num_batched_tokens=64, max_model_len=128)
-
-
-def prompts_of(lengths, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(n)] for n in lengths]
 
 
 def tokens(outputs, i=0):
@@ -63,16 +52,7 @@ def test_seeded_requests_from_several_threads(llm):
     prompts = prompts_of([7, 30, 18, 44], 3)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12) for s in range(4)]
     want = [tokens(llm.generate([p], q))[0] for p, q in zip(prompts, params, strict=True)]
-    got = [None] * 4
-
-    def work(i):
-        got[i] = tokens(llm.generate([prompts[i]], params[i]))[0]
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    got = run_threads(lambda i: tokens(llm.generate([prompts[i]], params[i]))[0], 4)
     assert got == want
 
 
@@ -196,25 +176,15 @@ def test_bad_requests_name_the_request_and_change_nothing(llm):
     assert core.stats()["num_waiting"] == 0 and core.stats()["kv_usage"] == 0.0
 
 
-def test_queue_full_is_refused_not_hung(ckpt):
+def test_queue_full_is_refused_not_hung(ckpt, hold_steps):
     llm = chunklocal.LLM(ckpt[0], max_num_seqs=1, max_model_len=64, max_waiting_requests=1)
-    gate, entered = threading.Event(), threading.Event()
-    real_run = llm.runner.run
-
-    def gated(batch):
-        entered.set()
-        gate.wait(30)
-        return real_run(batch)
-
-    llm.runner.run = gated
-    try:
-        first = llm.core.add_request([1, 2, 3], SamplingParams(max_tokens=3))
-        assert entered.wait(30)
-        second = llm.core.add_request([4, 5], SamplingParams(max_tokens=3))
-        with pytest.raises(QueueFullError, match="1 requests are waiting, the limit"):
-            llm.core.add_request([6], SamplingParams(max_tokens=3))
-    finally:
-        gate.set()
+    gate, entered = hold_steps(llm)  # conftest.py
+    first = llm.core.add_request([1, 2, 3], SamplingParams(max_tokens=3))
+    assert entered.wait(30)
+    second = llm.core.add_request([4, 5], SamplingParams(max_tokens=3))
+    with pytest.raises(QueueFullError, match="1 requests are waiting, the limit"):
+        llm.core.add_request([6], SamplingParams(max_tokens=3))
+    gate.set()
     assert len(first.result().outputs[0].token_ids) == 3
     assert len(second.result().outputs[0].token_ids) == 3
     core = llm.core

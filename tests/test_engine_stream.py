@@ -11,7 +11,6 @@ script the sampled tokens (the model still runs) so the text is known in advance
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import numpy as np
 import pytest
@@ -236,37 +235,25 @@ def free_everywhere(llm):
         not llm.scheduler.has_work()
 
 
-def test_abort_frees_pages_running_and_waiting(llm, scripted):
+def test_abort_frees_pages_running_and_waiting(llm, scripted, hold_steps):
     scripts, _ = scripted
-    gate, entered = threading.Event(), threading.Event()
-    real_run = llm.runner.run
-
-    def gated(batch):
-        entered.set()
-        gate.wait(30)
-        return real_run(batch)
-
-    llm.runner.run = gated
-    try:
-        prompts = [[3, 3, i] for i in range(6)]  # 6 requests, max_num_seqs 4: 2 wait
-        for p in prompts:
-            scripts[tuple(p)] = [7] * 200
-        streams = [llm.core.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True))
-                   for p in prompts]
-        assert entered.wait(30)
-        for s in streams[::2]:  # two running, one waiting
-            s.abort()
-        gate.set()
-        llm.core.abort(streams[1].request_id, wait=True)
-        finals = [s.result() for s in streams[:3]]
-        assert all(f.outputs[0].finish_reason == "abort" for f in finals)
-        assert all(len(f.outputs[0].token_ids) < 200 for f in finals)
-        for s in streams[3:]:
-            s.abort(wait=True)
-        assert free_everywhere(llm)
-    finally:
-        llm.runner.run = real_run
-        gate.set()
+    gate, entered = hold_steps(llm)  # conftest.py
+    prompts = [[3, 3, i] for i in range(6)]  # 6 requests, max_num_seqs 4: 2 wait
+    for p in prompts:
+        scripts[tuple(p)] = [7] * 200
+    streams = [llm.core.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True))
+               for p in prompts]
+    assert entered.wait(30)
+    for s in streams[::2]:  # two running, one waiting
+        s.abort()
+    gate.set()
+    llm.core.abort(streams[1].request_id, wait=True)
+    finals = [s.result() for s in streams[:3]]
+    assert all(f.outputs[0].finish_reason == "abort" for f in finals)
+    assert all(len(f.outputs[0].token_ids) < 200 for f in finals)
+    for s in streams[3:]:
+        s.abort(wait=True)
+    assert free_everywhere(llm)
 
 
 def test_a_failed_step_fails_every_stream_and_frees_pages(llm, scripted):

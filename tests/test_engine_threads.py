@@ -32,7 +32,9 @@ def prompts_for(call: int, count: int = 3):
     return [[rng.randrange(512) for _ in range(rng.randrange(3, 60))] for _ in range(count)]
 
 
-def run_threads(target, num_threads):
+def run_threads(target, num_threads, timeout=120):
+    """``[target(0), ..., target(num_threads - 1)]``, each called on its own thread, all
+    started before any is joined; fails if a call hangs past ``timeout`` s or raises."""
     results, errors = [None] * num_threads, []
 
     def work(i):
@@ -45,7 +47,7 @@ def run_threads(target, num_threads):
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=timeout)
     assert not any(t.is_alive() for t in threads), "a generate() call hung"
     assert not errors, errors
     return results

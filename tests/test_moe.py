@@ -20,8 +20,10 @@ from chunklocal.models.moe import MoE, expert_mm, hf_expert_tensor, padded_mm, s
 HIDDEN, INNER = 16, 8
 
 
-def hf_moe(num_experts, top_k, seed, dtype=torch.float32, hidden=HIDDEN, inner=INNER):
-    """transformers' Llama4TextMoe with random weights (its gate_up_proj starts at 0)."""
+def hf_moe(num_experts, top_k, seed, dtype=torch.float32, hidden=HIDDEN, inner=INNER,
+           fan_in_std=False):
+    """transformers' Llama4TextMoe with random weights (its gate_up_proj starts at 0):
+    normal, std 0.5, or 1/sqrt(fan-in) with ``fan_in_std`` (tests/gpu/test_moe_gpu.py)."""
     from transformers import Llama4TextConfig
     from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
@@ -31,7 +33,12 @@ def hf_moe(num_experts, top_k, seed, dtype=torch.float32, hidden=HIDDEN, inner=I
     hf = Llama4TextMoe(config)
     with torch.no_grad():
         for param in hf.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+            noise = torch.randn(param.shape, generator=gen)
+            if fan_in_std:
+                fan_in = param.shape[-2] if param.dim() == 3 else param.shape[-1]
+                param.copy_(noise / fan_in ** 0.5)
+            else:
+                param.copy_(noise * 0.5)
     return hf.to(dtype).eval()
 
 

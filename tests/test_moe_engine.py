@@ -8,11 +8,9 @@ runs every expert on every token, so it is an independent oracle for the routing
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from llama4_tiny import hf_greedy, hf_logits, rel_err, write_tiny_llama4
+from llama4_tiny import hf_greedy, hf_logits, prompts_of, rel_err, write_tiny_llama4
 
 import chunklocal
 from chunklocal.models import moe
@@ -34,11 +32,6 @@ def moe_ckpt(request, tmp_path_factory):
     hf = write_tiny_llama4(path, seed=21, num_local_experts=num_experts, num_experts_per_tok=top_k,
                            interleave_moe_layer_step=step)
     return path, hf
-
-
-def prompts_of(lengths, seed, vocab=512):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 def moe_layers(llm):

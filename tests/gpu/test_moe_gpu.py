@@ -15,8 +15,9 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from test_moe import hf_moe, ours_from  # noqa: E402
+
 from chunklocal.models import moe as moe_module  # noqa: E402
-from chunklocal.models.moe import MoE, hf_expert_tensor  # noqa: E402
 
 BF16 = torch.bfloat16
 HIDDEN, INNER = 512, 256
@@ -28,21 +29,9 @@ MODES = {  # constructor kwargs, stack the shared expert, Triton kernel for ever
 
 def make_pair(num_experts, top_k, mode, dtype=BF16, seed=0):
     """transformers' MoE and ours with the same random weights, on the GPU."""
-    from transformers import Llama4TextConfig
-    from transformers.activations import ACT2FN
-    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
-
-    config = Llama4TextConfig(hidden_size=HIDDEN, intermediate_size=INNER,
-                              num_local_experts=num_experts, num_experts_per_tok=top_k)
-    gen = torch.Generator().manual_seed(seed)
-    hf = Llama4TextMoe(config)
-    with torch.no_grad():
-        for param in hf.parameters():
-            fan_in = param.shape[-2] if param.dim() == 3 else param.shape[-1]
-            param.copy_(torch.randn(param.shape, generator=gen) / fan_in ** 0.5)
+    hf = hf_moe(num_experts, top_k, seed, hidden=HIDDEN, inner=INNER, fan_in_std=True)
     kwargs, stack, triton = MODES[mode]
-    ours = MoE(num_experts, top_k, HIDDEN, INNER, ACT2FN["silu"], **kwargs)
-    ours.load_state_dict(dict(hf_expert_tensor(n, t) for n, t in hf.state_dict().items()))
+    ours = ours_from(hf, **kwargs)
     if stack:
         assert ours.stack_shared()
     if triton:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
@@ -24,6 +23,7 @@ pytest.importorskip("flashinfer")
 
 from llama4_tiny import copy_prompts, train_copy_llama4, write_tiny_llama4  # noqa: E402
 from test_engine_sampler import ref_keep  # noqa: E402
+from test_engine_threads import run_threads  # noqa: E402
 
 import chunklocal  # noqa: E402
 from chunklocal.engine.sampler import Sampler, sampling_row  # noqa: E402
@@ -92,16 +92,8 @@ def test_gpu_engine_core_threads_equal_sequential_greedy(trained):
     calls = [copy_prompts([40 + 30 * i, 70, 150 + i], seed=i, vocab=128) for i in range(4)]
     want = [llm.generate(p, max_new_tokens=32, ignore_eos=True) for p in calls]
     for _ in range(3):
-        got = [None] * 4
-
-        def work(i, got=got):
-            got[i] = llm.generate(calls[i], max_new_tokens=32, ignore_eos=True)
-
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        got = run_threads(lambda i: llm.generate(calls[i], max_new_tokens=32, ignore_eos=True),
+                          4, timeout=300)
         assert got == want
     assert llm.runner.graph_steps > 0
     assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
