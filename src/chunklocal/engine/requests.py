@@ -101,19 +101,9 @@ def check_prompts(prompts, max_new_tokens, get_tokenizer, vocab_size: int, max_m
                              "the text model of Llama-4 checkpoints)")
         if isinstance(prompt, (str, bytes)):
             raise ValueError(f"prompt {i}: mixes strings and token-id lists")
-        try:
-            arr = np.asarray(prompt)
-        except ValueError:  # ragged nesting
-            arr = None
-        if (arr is None or arr.ndim != 1
-                or (arr.size and not np.issubdtype(arr.dtype, np.integer))):
-            raise ValueError(f"prompt {i}: expected a flat list of int token ids")
-        if arr.size == 0:
-            raise ValueError(f"prompt {i} is empty")
-        bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
-        if bad.size:
-            raise ValueError(f"prompt {i}: token id {int(arr[bad[0]])} at index "
-                             f"{int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+        arr = token_array(prompt, f"prompt {i}", vocab_size,
+                          f"prompt {i}: expected a flat list of int token ids",
+                          f"prompt {i} is empty")
         if image_token_index is not None and (arr == image_token_index).any():
             at = int(np.flatnonzero(arr == image_token_index)[0])
             raise ValueError(f"prompt {i}: token id {image_token_index} at index {at} is the "
@@ -126,22 +116,29 @@ def check_prompts(prompts, max_new_tokens, get_tokenizer, vocab_size: int, max_m
     return checked, as_text
 
 
-def check_prompt_ids(rid, prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:
-    """One engine-core request's prompt as a list of ints, or ValueError naming ``rid``."""
+def token_array(ids, who: str, vocab_size: int, not_flat: str, empty: str) -> np.ndarray:
+    """``ids`` as a 1-D integer array of in-vocabulary ids, or ValueError: ``not_flat`` /
+    ``empty`` as given, else one naming ``who``, the first bad id and its index."""
     try:
-        arr = np.asarray(prompt_token_ids)
-    except ValueError:
+        arr = np.asarray(ids)
+    except ValueError:  # ragged nesting
         arr = None
-    if (arr is None or arr.ndim != 1
-            or (arr.size and not np.issubdtype(arr.dtype, np.integer))):
-        raise ValueError(f"request {rid}: prompt_token_ids must be a flat list of int "
-                         "token ids")
+    if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(not_flat)
     if arr.size == 0:
-        raise ValueError(f"request {rid}: the prompt is empty")
+        raise ValueError(empty)
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
     if bad.size:
-        raise ValueError(f"request {rid}: token id {int(arr[bad[0]])} at index "
-                         f"{int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"{who}: token id {int(arr[bad[0]])} at index {int(bad[0])} is "
+                         f"outside the vocabulary [0, {vocab_size})")
+    return arr
+
+
+def check_prompt_ids(rid, prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:
+    """One engine-core request's prompt as a list of ints, or ValueError naming ``rid``."""
+    arr = token_array(prompt_token_ids, f"request {rid}", vocab_size,
+                      f"request {rid}: prompt_token_ids must be a flat list of int token ids",
+                      f"request {rid}: the prompt is empty")
     if arr.size > max_model_len:
         raise ValueError(f"request {rid}: prompt of {arr.size} tokens exceeds "
                          f"max_model_len {max_model_len}")
