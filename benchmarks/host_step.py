@@ -38,8 +38,10 @@ from benchmarks.common import base_parser, format_table, write_json
 STAGES = ("schedule", "prepare", "group_inputs", "postprocess")
 
 
-def make_engine(batch: int, context: int, chunk_size: int | None, block_size: int = 16):
-    """(scheduler, runner) holding ``batch`` requests just past a ``context``-token prefill."""
+def make_engine(batch: int, context: int, chunk_size: int | None, block_size: int = 16,
+                extra_rows: int = 0, max_len: int | None = None):
+    """(scheduler, runner) holding ``batch`` requests just past a ``context``-token prefill
+    (and room for ``extra_rows`` more requests of up to ``max_len`` tokens)."""
     from chunklocal.backends.base import Kind
     from chunklocal.engine.block_manager import BlockManager, KVGroup
     from chunklocal.engine.model_runner import ModelRunner
@@ -49,18 +51,19 @@ def make_engine(batch: int, context: int, chunk_size: int | None, block_size: in
     from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec
 
     geometry = (block_size, 8, 128, torch.bfloat16)
-    max_len = context + 4096
-    whole = -(-max_len // block_size) * batch
+    max_len = max_len or context + 4096
+    rows = batch + extra_rows
+    whole = -(-max_len // block_size) * rows
     if chunk_size is None:
         groups, kind_to_group = [KVGroup(FullAttentionSpec(*geometry), whole)], {Kind.GLOBAL: 0}
     else:
-        local = -(-(chunk_size + batch) // block_size) * batch
+        local = -(-(chunk_size + max(batch, 8192)) // block_size) * rows
         groups = [KVGroup(FullAttentionSpec(*geometry), whole),
                   KVGroup(ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=chunk_size),
                           local)]
         kind_to_group = {Kind.GLOBAL: 0, Kind.CHUNKED: 1}
-    manager = BlockManager(groups, batch, -(-max_len // block_size))
-    scheduler = Scheduler(manager, batch, max(8192, batch * context), max_len)
+    manager = BlockManager(groups, rows, -(-max_len // block_size))
+    scheduler = Scheduler(manager, rows, max(8192, batch * context), max_len)
     runner = ModelRunner(None, manager, kind_to_group, [], "cpu", torch.bfloat16,
                          chunk_size=chunk_size)
     rng = np.random.default_rng(0)
@@ -111,6 +114,32 @@ def measure(batches, context, chunk_size, steps) -> list[dict]:
             rows.append({"batch": batch, "context": context, "kv_groups": groups,
                          "decode_pass": "vectorised" if vectorised else "per request",
                          **medians, "host_us": sum(medians.values())})
+    return rows
+
+
+def mixed_rows(context: int, chunk_size: int, steps: int, decodes: int = 63,
+               prompt_len: int = 32768, piece: int = 2048) -> list[dict]:
+    """Issue 14's mixed step: ``decodes`` decodes plus one ``piece``-token prefill chunk of a
+    ``prompt_len`` prompt (a new prompt replaces a finished one, untimed)."""
+    from chunklocal.engine.sampling import SamplingParams
+    from chunklocal.engine.sequence import Sequence
+
+    rows = []
+    for groups, chunk in (("2 (chunked + global)", chunk_size), ("1 (global)", None)):
+        scheduler, runner = make_engine(decodes, context, chunk, extra_rows=1,
+                                        max_len=prompt_len + 64)
+        scheduler.max_num_batched_tokens = decodes + piece
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        times = {s: [] for s in STAGES}
+        prompt = np.random.default_rng(1).integers(0, 1000, prompt_len).tolist()
+        while len(times["schedule"]) < steps:
+            if len(scheduler.running) == decodes and not scheduler.waiting:
+                scheduler.add(Sequence(10**6 + len(times["schedule"]), prompt, params,
+                                       len(scheduler.block_manager.groups)))
+            step(scheduler, runner, times)
+        medians = {f"{s}_us": float(np.median(times[s])) for s in STAGES}
+        rows.append({"step": f"{decodes} decodes + {piece}-token prefill chunk",
+                     "kv_groups": groups, **medians, "host_us": sum(medians.values())})
     return rows
 
 
@@ -168,6 +197,9 @@ def main(argv=None) -> int:
         args.batch, args.context, steps = [4], 40, 5
     rows = measure(args.batch, args.context, args.chunk_size, steps)
     print(format_table(rows))
+    mixed = mixed_rows(args.context, args.chunk_size, steps,
+                       **(dict(decodes=3, prompt_len=200, piece=32) if args.smoke else {}))
+    print(format_table(mixed))
     if args.tokenizer:
         from transformers import AutoTokenizer
 
@@ -177,7 +209,8 @@ def main(argv=None) -> int:
     detok = detokenize_rows(tokenizer, args.batch, min(steps, 200))
     print(format_table(detok))
     path = write_json("host_step_smoke" if args.smoke else "host_step",
-                      {"args": vars(args), "steps": steps, "rows": rows, "detokenize": detok,
+                      {"args": vars(args), "steps": steps, "rows": rows, "mixed": mixed,
+                       "detokenize": detok,
                        "errors": []},
                       args.out)
     print(f"wrote {path}")

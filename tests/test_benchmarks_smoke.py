@@ -212,7 +212,7 @@ def test_host_step_smoke(tmp_path):
 
     assert host_step.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = _load(tmp_path / "host_step_smoke.json")
-    assert len(data["rows"]) == 4 and len(data["detokenize"]) == 2
+    assert len(data["rows"]) == 4 and len(data["detokenize"]) == 2 and len(data["mixed"]) == 2
     assert all(r["host_us"] > 0 for r in data["rows"])
 
 
