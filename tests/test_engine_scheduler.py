@@ -61,6 +61,8 @@ class FakeRunner:
                 row = manager.tables[g][s.row]
                 assert row[:len(s.block_tables[g])].tolist() == s.block_tables[g]
                 assert not row[len(s.block_tables[g]):].any()
+                assert manager.num_pages[g, s.row] == len(s.block_tables[g])
+                assert manager.first_owned[g, s.row] == s.first_owned_page[g]
 
     def run(self, batch):
         max_seqs, max_tokens = self.limits

@@ -88,6 +88,10 @@ class BlockManager:
     def __init__(self, groups: list[KVGroup], max_rows: int, max_pages: int):
         self.groups = groups
         self.tables = [np.zeros((max_rows, max_pages), dtype=np.int32) for _ in groups]
+        #: By group and table row: ``len(seq.block_tables[g])`` and ``seq.first_owned_page[g]``
+        #: (written with them, here only), so a step reads them without a loop over requests.
+        self.num_pages = np.zeros((len(groups), max_rows), dtype=np.int64)
+        self.first_owned = np.zeros((len(groups), max_rows), dtype=np.int64)
         self.free_rows = deque(range(max_rows))
 
     def table_rows(self, rows: np.ndarray, g: int, width: int) -> np.ndarray:
@@ -110,18 +114,19 @@ class BlockManager:
         ``stale_k`` pages and takes ``new_k``, so it succeeds exactly when the free count
         ``free_0 + sum_{i<=k} (stale_i - new_i)`` stays >= 0; every prefix sum checked,
         for every group, means every request of the loop would have succeeded.  Requests
-        with no change are no-ops of :meth:`allocate` (they hold a row already).
+        with no change are no-ops of :meth:`allocate` (they hold a row already, so the
+        row mirrors ``num_pages`` / ``first_owned`` hold their state).
         """
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         num_computed = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
         changes = np.zeros(len(seqs), dtype=bool)
         for g, grp in enumerate(self.groups):
-            owned = np.fromiter((len(s.block_tables[g]) for s in seqs), np.int64, len(seqs))
+            owned = self.num_pages[g, rows]
             new = np.maximum(0, -(-(num_computed + 1) // grp.block_size) - owned)
             stale = np.zeros_like(new)
             if grp.chunk_size is not None:
-                first = np.fromiter((s.first_owned_page[g] for s in seqs), np.int64, len(seqs))
                 chunk_page = (num_computed // grp.chunk_size) * grp.chunk_size // grp.block_size
-                stale = np.maximum(0, np.minimum(chunk_page, owned) - first)
+                stale = np.maximum(0, np.minimum(chunk_page, owned) - self.first_owned[g, rows])
             if (len(grp.free_blocks) + np.cumsum(stale - new)).min(initial=0) < 0:
                 return None
             changes |= (new > 0) | (stale > 0)
@@ -149,6 +154,8 @@ class BlockManager:
                 table.extend(free[:-count - 1:-1])
                 del free[-count:]
                 row[start:start + count] = table[start:]
+            self.num_pages[g, seq.row] = len(table)
+            self.first_owned[g, seq.row] = seq.first_owned_page[g]
             grp.peak_used = max(grp.peak_used, grp.num_used)
 
     def free(self, seq: Sequence) -> None:
@@ -159,6 +166,7 @@ class BlockManager:
             seq.first_owned_page[g] = 0
             if seq.row is not None:
                 self.tables[g][seq.row] = 0
+                self.num_pages[g, seq.row] = self.first_owned[g, seq.row] = 0
         if seq.row is not None:
             self.free_rows.append(seq.row)
             seq.row = None
