@@ -222,3 +222,35 @@ def test_reporter_scenario_full_geometry_matches_torch_backend(tmp_path):
         print(f"{name} vs torch backend: last prompt logits rel err {err:.2e}, tokens "
               f"{'same' if out == ref_out else 'DIFFER'}")
         assert err < 5e-2 and out == ref_out
+
+
+def test_device_cuda_names_the_callers_gpu_and_the_loop_thread_uses_it(trained):
+    """LLM("cuda") resolves to the caller's current GPU once; generate() from another
+    thread (whose current device is its default) still runs there, with graphs."""
+    import threading
+
+    path = trained[0]
+    llm = chunklocal.LLM(path, device="cuda", max_num_seqs=4, max_model_len=512)
+    assert llm.device == torch.device("cuda", torch.cuda.current_device())
+    prompts = copy_prompts([40, 90, 130, 200], seed=3, vocab=128)
+    want = llm.generate(prompts, max_new_tokens=8)
+    got = []
+    worker = threading.Thread(target=lambda: got.append(llm.generate(prompts, max_new_tokens=8)))
+    worker.start()
+    worker.join(120)
+    assert got == [want] and llm.runner.graph_steps > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_an_engine_on_the_second_gpu_captures_its_graphs_there(trained):
+    """device="cuda:1" while the caller's current device is 0: graphs captured on a
+    stream of GPU 1 (torch's default capture stream would be GPU 0's: empty graphs,
+    stale outputs), so its tokens equal GPU 0's."""
+    path = trained[0]
+    torch.cuda.set_device(0)
+    prompts = copy_prompts([40, 90, 130, 200], seed=4, vocab=128)
+    first = chunklocal.LLM(path, device="cuda:0", max_num_seqs=4, max_model_len=512)
+    want = first.generate(prompts, max_new_tokens=12)
+    second = chunklocal.LLM(path, device="cuda:1", max_num_seqs=4, max_model_len=512)
+    assert second.generate(prompts, max_new_tokens=12) == want
+    assert second.runner.graph_steps > 0

@@ -234,11 +234,9 @@ class EngineCore:
         if self._thread is None:
             from chunklocal.engine.core_step import run_loop
 
-            device = self.llm.device
-            if device.type == "cuda" and device.index is None:
-                import torch  # the loop thread's set_device needs an index: the caller's
-
-                device = torch.device("cuda", torch.cuda.current_device())
+            # The device the runner steps on: LLM names one GPU with its index; under
+            # tensor parallelism the ranks own the GPUs and this process stays on the CPU.
+            device = self.llm.device if self.llm.tensor_parallel_size == 1 else None
             self._thread = threading.Thread(
                 target=run_loop, args=(weakref.ref(self), self._commands, device),
                 name="chunklocal-engine-core", daemon=True)

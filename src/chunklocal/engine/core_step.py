@@ -21,7 +21,7 @@ def run_loop(core_ref, commands, device) -> None:
     new ones: a dead loop must never leave a client waiting."""
     first = None  # the command taken while idle, until the loop has handled it
     try:
-        if device.type == "cuda":  # the current device is per thread
+        if device is not None and device.type == "cuda":  # the current device is per thread
             import torch
 
             torch.cuda.set_device(device)

@@ -59,10 +59,15 @@ class CudaGraphs:
         return torch.cuda.graph_pool_handle()
 
     def _record(self, forward, pool):
-        """Capture ``forward`` (static inputs -> static output); return (graph, output)."""
+        """Capture ``forward`` (static inputs -> static output); return (graph, output).
+
+        On a capture stream of this engine's device (torch's default one is made once, on
+        whichever device was current then: kernels of another device would not be
+        captured); "thread_local" so another engine's loop thread may sync meanwhile."""
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(self.device),
+                              capture_error_mode="thread_local"):
             output = forward()
         return graph, output
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -90,6 +91,10 @@ class LLM(OwnsWorkers):
         config = self.config = ckpt.text
         n = self.tensor_parallel_size = check_tensor_parallel(config, tensor_parallel_size,
                                                               moe_parallel)
+        if self.device.type == "cuda" and self.device.index is None and n == 1:
+            # One GPU, named once: the caller's current one.  The weights, graphs, sampler
+            # and the engine core's loop thread all use this index, whatever thread runs.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
         elif as_int(max_model_len, "max_model_len") > config.max_position_embeddings:
@@ -165,7 +170,10 @@ class LLM(OwnsWorkers):
         groups, kind_to_group = self._make_groups(specs, hybrid_kv_cache, num_kv_blocks,
                                                   plan.weight_bytes(kv_dtype),
                                                   self.workers and self.workers.free_bytes)
-        self.model = load_model(plan, self.device, kv_dtype, seed) if n == 1 else None
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" and n == 1 \
+            else contextlib.nullcontext()  # kernels launched while building go to our GPU
+        with on_device:
+            self.model = load_model(plan, self.device, kv_dtype, seed) if n == 1 else None
         self.groups = groups
         self.max_virtual_batches = (
             max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
@@ -182,7 +190,8 @@ class LLM(OwnsWorkers):
             config.num_attention_heads // n, kv_dtype, self.num_speculative_tokens,
             self.cuda_graphs, seed, chunk)
         if n == 1:
-            self.runner = build_runner(setup, self.model, self.device, self.block_manager)
+            with on_device:  # CUDA graphs are captured here
+                self.runner = build_runner(setup, self.model, self.device, self.block_manager)
         else:  # every rank loads its slices, builds its backends and captures its graphs
             self.runner = self.workers.start_runners(setup, self.block_manager)
         self._tokenizer = None
