@@ -159,3 +159,37 @@ def test_a_loop_thread_that_dies_fails_its_clients_instead_of_hanging(tmp_path, 
     assert [len(out) for out in llm.generate(prompts_for(2), max_new_tokens=4,
                                              use_tqdm=False)] == [4, 4, 4]
     assert all(len(g.free_blocks) == g.num_blocks for g in llm.block_manager.groups)
+
+
+@pytest.mark.parametrize("call", ["generate", "prompt_logits"])
+def test_shutdown_during_a_token_list_call_raises_instead_of_cutting_it_short(
+        ckpt, hold_steps, call):
+    """The token-list forms carry no finish_reason: an abort must not look like an output."""
+    import time
+
+    llm = chunklocal.LLM(ckpt[0], max_model_len=128, max_num_batched_tokens=8)
+    gate, entered = hold_steps(llm)
+    result = {}
+
+    def run():
+        try:
+            if call == "generate":
+                result["out"] = llm.generate([[1, 2, 3]], max_new_tokens=50, ignore_eos=True)
+            else:  # 40 prompt tokens in steps of 8: several steps
+                result["out"] = llm.prompt_logits([list(range(1, 41))])
+        except RuntimeError as err:
+            result["err"] = err
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    assert entered.wait(30)
+    stopper = threading.Thread(target=llm.shutdown)
+    stopper.start()
+    deadline = time.monotonic() + 30
+    while not llm.core.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    stopper.join(30)
+    caller.join(30)
+    assert "out" not in result, "an aborted call returned as if complete"
+    assert "aborted" in str(result["err"])

@@ -68,6 +68,7 @@ def _generate_tokens(llm, prompts, max_new_tokens, temperature, ignore_eos, use_
     requests = [core.make_request(ids, params, f"generate-{call}-{i}", detokenize=False)
                 for i, ids in enumerate(token_lists)]
     _wait(llm, requests, use_tqdm)
+    _refuse_aborted(requests, "generate")
     outputs = [r.samples[0].token_ids for r in requests]
     if as_text:
         return [llm.tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
@@ -87,9 +88,20 @@ def prompt_logits(llm, prompts, last_only: bool) -> list[torch.Tensor]:
                                   apply_defaults=False)
                 for i, ids in enumerate(token_lists)]
     _wait(llm, requests, False)
+    _refuse_aborted(requests, "prompt_logits")
     # A preempted request recomputes its prompt from position 0: its last pass is whole.
     return [torch.cat(r.samples[0].seq.captured)[-(1 if last_only else len(ids)):]
             for r, ids in zip(requests, token_lists, strict=True)]
+
+
+def _refuse_aborted(requests, call: str) -> None:
+    """The token-list forms have no finish_reason: an aborted request (the engine shut down
+    meanwhile) must raise, not return its tokens cut short."""
+    for i, req in enumerate(requests):
+        sample = req.samples[0]
+        if sample.finish_reason == "abort":
+            raise RuntimeError(f"{call}: prompt {i} was aborted after {len(sample.token_ids)} "
+                               "new tokens (the engine was shut down during the call)")
 
 
 def _wait(llm, requests, use_tqdm) -> None:

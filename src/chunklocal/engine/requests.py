@@ -123,7 +123,8 @@ def token_array(ids, who: str, vocab_size: int, not_flat: str, empty: str) -> np
         arr = np.asarray(ids)
     except ValueError:  # ragged nesting
         arr = None
-    if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+    if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)) \
+            or (isinstance(ids, list | tuple) and bool in set(map(type, ids))):  # [1, True]
         raise ValueError(not_flat)
     if arr.size == 0:
         raise ValueError(empty)

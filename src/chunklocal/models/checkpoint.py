@@ -83,6 +83,10 @@ def read_headers(model_dir) -> dict[str, Tensor]:
             raise ValueError(f"{index}: unreadable index ({err!r})") from err
         wanted: dict[str, list[str]] = {}
         for name, file in weight_map.items():
+            # Lexically inside the folder (its files may be links, as in the hub's cache).
+            if not isinstance(file, str) or Path(file).is_absolute() or ".." in Path(file).parts:
+                raise ValueError(f"{index}: {name} is in {file!r}, outside {model_dir}; an "
+                                 "index names files of its own folder")
             wanted.setdefault(file, []).append(name)
     else:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))

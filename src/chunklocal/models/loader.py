@@ -203,9 +203,15 @@ def load_model(plan: LoadPlan, device="cpu", dtype=torch.float32, seed: int = 0)
         _fill_slices(model, plan.routes, plan.full_shapes)
     else:
         _fill_from_files(model, plan.routes)
-    if getattr(plan.ckpt.text, "tie_word_embeddings", False) and not any(
-            r.param == "lm_head.weight" for _, r in plan.routes or ()):
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if getattr(plan.ckpt.text, "tie_word_embeddings", False):
+        stored = next((t for t, r in plan.routes or () if r.param == "lm_head.weight"), None)
+        if stored is None:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        elif not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
+            # transformers 4.x would tie (drop the stored head), 5.x use it: no right answer
+            raise ValueError(f"config.json sets tie_word_embeddings, but {stored.file.name} holds "
+                             f"an {stored.name} that differs from the embedding; set "
+                             "tie_word_embeddings to false to use it, or remove it to tie")
     model.eval()
     model.init_rope(device)
     configure_moe(model)
