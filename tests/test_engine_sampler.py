@@ -171,6 +171,28 @@ def test_greedy_rows_take_the_penalised_argmax_and_logprobs_are_raw():
     np.testing.assert_allclose(result.topk_logprobs[0], raw[:2].numpy(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-40])
+def test_a_top_p_below_float32_keeps_the_top_token(top_p):
+    """float32 turns 1e-300 into 0: the top token must still be kept (not token 0)."""
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1)) * 3
+    seqs = fake_seqs([SamplingParams(temperature=1.0, top_p=top_p)] * 64)
+    tokens = Sampler("cpu", seed=2)(logits, seqs, np.arange(64)).tokens
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("rep", [1e-300, 1e-46, 1e300])
+def test_extreme_repetition_penalties_stay_finite_and_pick_by_the_rule(rep):
+    """A penalty under 1 pushes seen tokens up, over 1 down; overflow must neither give
+    NaN nor inf logits, and the greedy choice follows the penalty's direction."""
+    logits = torch.tensor([[1.0, 2.0, 0.5, 3.0]])
+    seqs = fake_seqs([SamplingParams(temperature=0.0, repetition_penalty=rep)], {0: [2]})
+    row = sampling_row(seqs[0].params)
+    penalised = apply_penalties(logits, [[2]], np.array([1]), row[[4]], row[[5]], row[[6]])
+    assert torch.isfinite(penalised).all()
+    token = Sampler("cpu")(logits, seqs, np.array([0])).tokens[0]
+    assert token == (2 if rep < 1 else 3)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("n", 0, "n must be an integer >= 1"), ("temperature", -0.1, "temperature must be"),
     ("temperature", float("nan"), "temperature must be"), ("top_p", 0.0, "top_p must be"),

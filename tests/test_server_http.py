@@ -179,6 +179,12 @@ def test_bad_chat_requests(serve, tokenizer, tmp_path):
                                            "tools": [{"type": "function"}]}), 400, "tools")
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     _error(s.post("/v1/chat/completions", {"messages": [image]}), 400, "messages[0].content")
+    textless = {"role": "user", "content": [{"type": "text"}]}
+    err = _error(s.post("/v1/chat/completions", {"messages": [textless]}), 400)
+    assert "needs a string 'text'" in err["message"]
+    wrong_method = s.client.get("/v1/completions")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
     _error(s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                            "top_logprobs": 2}), 400, "top_logprobs")
     write_tiny_tokenizer(tmp_path, chat_template=False)
@@ -347,3 +353,50 @@ def test_default_body_limit_follows_max_model_len():
     assert ServeLimits(max_request_bytes=10).body_limit(1 << 20) == 10
     ids = list(range(200_000, 200_000 + 1000))  # the longest ids of a 202k vocabulary
     assert len(json.dumps({"prompt": ids * 1024})) < ServeLimits().body_limit(1024 * 1000)
+
+
+# -- edges a user's black-box run found: null for an OpenAI field means its default, and a
+# request's own chat_template needs the server's consent (--trust-request-chat-template,
+# vLLM's flag): it renders unbounded on the server's one tokenizer thread.
+
+USER = [{"role": "user", "content": "hello"}]
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "n": None, "stream": None, "echo": None,
+                         "logprobs": None, "add_special_tokens": None}),
+    ("/v1/chat/completions", {"messages": USER, "n": None, "stream": None, "logprobs": None,
+                              "add_generation_prompt": None, "max_completion_tokens": None}),
+])
+def test_null_fields_take_their_defaults(serve, tokenizer, path, body):
+    core = FakeCore(tokenizer)
+    s = serve(core)
+    plain = {k: v for k, v in body.items() if v is not None}
+    with_nulls = s.post(path, dict(body, max_tokens=3))
+    assert with_nulls.status_code == 200, with_nulls.text
+    assert s.post(path, dict(plain, max_tokens=3)).json()["choices"] == \
+        with_nulls.json()["choices"]
+    assert core.added[0].ids == core.added[1].ids  # add_generation_prompt etc. defaulted
+
+
+def test_null_for_a_required_field_is_still_refused(serve, tokenizer):
+    s = serve(FakeCore(tokenizer))
+    _error(s.post("/v1/completions", {"prompt": None}), 400, "prompt")
+    _error(s.post("/v1/chat/completions", {"messages": None}), 400, "messages")
+
+
+def test_a_request_chat_template_needs_the_servers_consent(serve, tokenizer):
+    core = FakeCore(tokenizer)
+    strict = serve(core)
+    _error(strict.post("/v1/chat/completions",
+                       {"messages": USER, "chat_template": TEMPLATE}), 400, "chat_template")
+    assert core.added == []
+    trusting = serve(core, limits=ServeLimits(trust_request_chat_template=True))
+    r = trusting.post("/v1/chat/completions",
+                      {"messages": USER, "chat_template": TEMPLATE, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert core.added[-1].ids == tokenizer("hello", add_special_tokens=False)["input_ids"]
+    chunks = _sse(trusting.post("/v1/chat/completions", {"messages": USER, "max_tokens": 2,
+                                                         "stream": True}).text)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"

@@ -32,11 +32,16 @@ from chunklocal.engine.sampling import SAMPLING_EPS, SamplingParams
 TEMP, TOP_K, TOP_P, MIN_P, REP, PRES, FREQ, LOGPROBS, SEEDED = range(9)
 
 
+_TINY32, _MAX32 = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
 def sampling_row(params: SamplingParams) -> np.ndarray:
-    """The request's parameters as the float64 row the sampler gathers each step."""
-    return np.array([params.temperature, max(params.top_k, 0), params.top_p, params.min_p,
-                     params.repetition_penalty, params.presence_penalty,
-                     params.frequency_penalty,
+    """The request's parameters as the float64 row the sampler gathers each step.  top_p
+    and repetition_penalty are kept inside float32's positive range: the device math is
+    float32, and a top_p of 1e-300 must stay "the top token", not become 0."""
+    return np.array([params.temperature, max(params.top_k, 0), max(params.top_p, _TINY32),
+                     params.min_p, min(max(params.repetition_penalty, _TINY32), _MAX32),
+                     params.presence_penalty, params.frequency_penalty,
                      -1 if params.logprobs is None else params.logprobs,
                      params.seed is not None], dtype=np.float64)
 
@@ -84,7 +89,8 @@ def apply_penalties(logits, token_ids, num_prompt, rep, pres, freq):
                       torch.ones((), dtype=logits.dtype, device=dev), accumulate=True)
     rep_t = to_device(np.asarray(rep, np.float64), dev, logits.dtype)[:, None]
     penalised = torch.where(logits > 0, logits / rep_t, logits * rep_t)
-    logits = torch.where(seen, penalised, logits)
+    # An extreme penalty may overflow: keep logits finite (an inf would make softmax NaN).
+    logits = torch.where(seen, penalised, logits).clamp(-_MAX32, _MAX32)
     freq_t = to_device(np.asarray(freq, np.float64), dev, logits.dtype)[:, None]
     pres_t = to_device(np.asarray(pres, np.float64), dev, logits.dtype)[:, None]
     return logits - freq_t * counts - pres_t * (counts > 0)
@@ -109,6 +115,7 @@ def top_k_top_p_min_p(logits, top_k, top_p, min_p):
     mass_before = probs.cumsum(dim=-1) - probs
     # Keep the fewest leading tokens whose mass reaches top_p (the first always stays).
     drop |= mass_before >= to_device(top_p, probs.device, probs.dtype)[:, None]
+    drop[:, 0] = False
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, ordered)
 

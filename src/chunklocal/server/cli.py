@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompts", type=_positive, default=lim.max_prompts,
                    help=f"most prompts in one /v1/completions request (default "
                    f"{lim.max_prompts})")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (it renders on the "
+                   "server, unbounded; default: refused with 400)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access-log line per request")
     g.add_argument("--log-level", default="info",
@@ -202,7 +205,8 @@ def main(args) -> int:
                          "pip install 'chunklocal[serve]'") from err
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     limits = ServeLimits(args.max_request_bytes, args.max_n, args.max_logprobs, args.max_stop,
-                         max_prompts=args.max_prompts)
+                         max_prompts=args.max_prompts,
+                         trust_request_chat_template=args.trust_request_chat_template)
     state = ServerState(ServerConfig(args.served_model_name or [args.model], str(args.model),
                                      args.api_key, limits))
     server = uvicorn.Server(uvicorn.Config(

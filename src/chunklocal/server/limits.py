@@ -18,6 +18,9 @@ class ServeLimits:
     max_stop: int = 16                 # stop strings (and, separately, stop token ids)
     max_stop_chars: int = 256          # length of one stop string
     max_prompts: int = 64              # prompts in one /v1/completions batch
+    #: A request's own ``chat_template`` runs on the server's tokenizer thread, unbounded:
+    #: only with --trust-request-chat-template (vLLM's flag).
+    trust_request_chat_template: bool = False
 
     def body_limit(self, max_model_len: int | None) -> int:
         """Bytes a request body may have: the explicit limit, else 16 bytes per token of

@@ -78,6 +78,9 @@ def check_limits(req: _Request, limits: ServeLimits) -> int | None:
         raise APIError(f"{len(req.stop_token_ids)} stop_token_ids exceed the limit of "
                        f"{limits.max_stop} (--max-stop)", param="stop_token_ids")
     if isinstance(req, ChatCompletionRequest):
+        if req.chat_template is not None and not limits.trust_request_chat_template:
+            raise APIError("a chat_template in the request is used only when the server runs "
+                           "with --trust-request-chat-template", param="chat_template")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         top = (req.top_logprobs or 0) if req.logprobs else None

@@ -66,9 +66,13 @@ def _message(i: int, msg) -> dict:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise APIError(f"messages[{i}].content[{j}]: only text parts are served, got "
                                f"type {part.get('type')!r}", param=f"messages[{i}].content")
+            if not isinstance(part.get("text"), str):
+                raise APIError(f"messages[{i}].content[{j}]: a text part needs a string "
+                               f"'text', got {part.get('text')!r:.80}",
+                               param=f"messages[{i}].content")
             texts.append(part["text"])
         content = "\n".join(texts)
     return {**(msg.model_extra or {}), "role": msg.role, "content": content}
@@ -81,7 +85,8 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer,
         raise _no_tokenizer("chat")
     if req.chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template: use /v1/completions, or "
-                       "pass chat_template in the request", param="messages",
+                       "pass chat_template in the request (with a server run with "
+                       "--trust-request-chat-template)", param="messages",
                        code="no_chat_template")
     extra = dict(req.chat_template_kwargs or {})
     clash = sorted(_RESERVED_TEMPLATE_KWARGS & extra.keys())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class APIError(Exception):
@@ -23,7 +23,8 @@ class APIError(Exception):
         self.message, self.status, self.param, self.code = message, status, param, code
         self.type = type or {400: "invalid_request_error", 401: "authentication_error",
                              404: "not_found_error", 503: "service_unavailable"}.get(
-                                 status, "server_error")
+                                 status, "invalid_request_error" if status < 500
+                                 else "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -40,6 +41,17 @@ class _Request(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """``"n": null``, ``"stream": null``...: OpenAI's clients send null for unset
+        fields, so a null means the field's default (as OpenAI and vLLM read it)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].default is None}
+        return data
 
     model: str | None = None  # vLLM: optional, defaults to the served model
     # OpenAI sampling fields (None = unset: the checkpoint's generation_config decides).
