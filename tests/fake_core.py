@@ -147,4 +147,4 @@ class FakeCore:
     def stats(self):
         return {"num_running": len(self.live), "num_waiting": 0, "kv_usage": 0.0,
                 "peak_virtual_batches": 0, "prompt_tokens_total": 0,
-                "generation_tokens_total": 0}
+                "generation_tokens_total": 0, "num_preemptions_total": 0}

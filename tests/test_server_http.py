@@ -220,6 +220,7 @@ def test_api_key(serve, tokenizer):
     assert s.post("/v1/completions", body, headers=ok).status_code == 200
     assert s.client.get("/v1/models", headers=ok).json()["data"][0]["id"] == "tiny"
     assert s.client.get("/health").status_code == 200
+    assert 'chunklocal_http_errors_total{status="401"} 3.0' in s.client.get("/metrics").text
 
 
 def test_health_503_until_loaded(serve, tokenizer):
@@ -274,6 +275,7 @@ def test_metrics(serve, tokenizer):
     for name in ("chunklocal_num_requests_running", "chunklocal_num_requests_waiting",
                  "chunklocal_kv_cache_usage_perc", "chunklocal_peak_virtual_batches",
                  "chunklocal_prompt_tokens_total", "chunklocal_generation_tokens_total",
+                 "chunklocal_num_preemptions_total",
                  "chunklocal_time_to_first_token_seconds_bucket",
                  "chunklocal_inter_token_latency_seconds_bucket"):
         assert name in text, name

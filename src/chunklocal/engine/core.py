@@ -210,7 +210,8 @@ class EngineCore:
                     kv_usage=max(g.num_used / g.num_blocks for g in groups),
                     peak_virtual_batches=self.llm.runner.peak_virtual_batches,
                     prompt_tokens_total=self.prompt_tokens_total,
-                    generation_tokens_total=self.generation_tokens_total)
+                    generation_tokens_total=self.generation_tokens_total,
+                    num_preemptions_total=self.scheduler.num_preemptions)
 
     # -- internals -------------------------------------------------------------------------------
     def _check_prompt(self, rid, prompt_token_ids) -> list[int]:

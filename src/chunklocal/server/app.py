@@ -78,8 +78,9 @@ class ServerState:
 class _AuthMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware: it would hide client disconnects from streams)."""
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app, api_key: str | None, refused=None):
         self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
+        self.refused = refused  # called once per 401 (the error counter)
 
     async def __call__(self, scope, receive, send):
         if (self.expected is not None and scope["type"] == "http"
@@ -88,6 +89,8 @@ class _AuthMiddleware:
             if not hmac.compare_digest(got, self.expected):
                 err = APIError("missing or wrong API key: send 'Authorization: Bearer KEY'",
                                status=401, code="invalid_api_key", type="invalid_request_error")
+                if self.refused is not None:
+                    self.refused()
                 await JSONResponse(err.body(), status_code=401,
                                    headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
@@ -218,5 +221,6 @@ def build_app(state: ServerState) -> FastAPI:
         body = APIError(f"internal error: {type(err).__name__}: {err}", status=500).body()
         return JSONResponse(body, status_code=500)
 
-    app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
+    app.add_middleware(_AuthMiddleware, api_key=cfg.api_key,
+                       refused=state.metrics.http_errors.labels("401").inc)
     return app

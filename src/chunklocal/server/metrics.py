@@ -36,7 +36,9 @@ class _EngineCollector:
             yield GaugeMetricFamily(_PREFIX + name, doc, value=float(stats.get(key, 0)))
         for name, doc, key in (("prompt_tokens", "prompt tokens computed", "prompt_tokens_total"),
                                ("generation_tokens", "tokens generated",
-                                "generation_tokens_total")):
+                                "generation_tokens_total"),
+                               ("num_preemptions", "requests preempted (KV dropped, to be "
+                                "recomputed)", "num_preemptions_total")):
             yield CounterMetricFamily(_PREFIX + name, doc, value=float(stats.get(key, 0)))
         yield GaugeMetricFamily(_PREFIX + "model_loaded", "1 once the model is loaded",
                                 value=float(core is not None))
