@@ -339,3 +339,21 @@ def test_demo_ends_with_one_pass_or_fail_line(monkeypatch, capsys, engine_ok):
     assert demo.main(args) == (0 if engine_ok else 1)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("PASS: " if engine_ok else "FAIL: engine runs")
+
+
+def test_plan_into_a_closed_pipe_is_quiet(tmp_path):
+    """`chunklocal plan ... | head -1`: the reader leaves early; no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    proc = subprocess.run(
+        [sys.executable, "-c", "from chunklocal.cli import main; raise SystemExit(main())",
+         "plan", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len",
+         "256", "--chunk-size", "32", "--block-size", "16"],
+        stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write_end)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 0

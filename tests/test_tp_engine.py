@@ -108,6 +108,8 @@ def test_two_ranks_match_one(ckpt_a, moe, hybrid, batched):
         if batched > 64:
             assert max(llm.runner.tokens_per_step) > 64
     assert worker_pids_alive(pids) == []
+    with pytest.raises(WorkerError, match="was shut down"):
+        llm.generate(PROMPTS[:1], max_new_tokens=2)
 
 
 @pytest.mark.parametrize("moe, hybrid", [("ep", True), ("tp", False)])
@@ -151,6 +153,31 @@ def test_a_killed_rank_fails_the_call_and_ends_every_worker(ckpt_a, victim):
     assert all(grp.num_used == 0 for grp in llm.groups)
     with pytest.raises(WorkerError, match="stopped earlier"):
         llm.generate(prompts, max_new_tokens=2)
+
+
+def test_workers_of_a_killed_caller_exit(ckpt_a):
+    """The caller's process dies by SIGKILL (no shutdown, no atexit): its ranks must
+    not live on holding memory and inherited sockets."""
+    import subprocess
+    import sys
+
+    script = ("import sys, time, torch, chunklocal\n"
+              f"llm = chunklocal.LLM({str(ckpt_a)!r}, tensor_parallel_size=2, "
+              "device='cpu', dtype=torch.float32, max_model_len=128, "
+              "max_num_batched_tokens=32, block_size=4)\n"
+              "print(*llm.workers.pids, flush=True)\n"
+              "time.sleep(600)\n")
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in caller.stdout.readline().split()]
+        assert len(pids) == 2 and worker_pids_alive(pids) == pids
+    finally:
+        caller.kill()
+        caller.wait(30)
+    deadline = time.monotonic() + 15
+    while worker_pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert worker_pids_alive(pids) == [], "workers outlived their killed caller"
 
 
 def test_a_rank_that_raises_while_loading(tmp_path, monkeypatch):

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from chunklocal import __version__
 from chunklocal.bounds import verify as verify_bounds
@@ -34,4 +36,9 @@ def main(argv=None) -> int:
     check = getattr(module, "check_arguments", None)
     if check is not None:
         check(subparsers[args.command], args)
-    return int(module.main(args) or 0)
+    try:
+        return int(module.main(args) or 0)
+    except BrokenPipeError:  # `chunklocal plan ... | head`: the reader left, not an error
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -21,6 +21,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -33,6 +34,8 @@ import torch
 from chunklocal.engine.tp_runner import RemoteRunner, execute
 
 _STOP = b"stop"
+#: How often a worker checks that its caller is alive.
+PARENT_POLL_S = 0.5
 #: Seconds a stopping worker gets to tear down its process group before it is killed.
 STOP_GRACE_S = 10.0
 
@@ -53,8 +56,20 @@ class WorkerArgs:
     init_file: str      # torch.distributed FileStore rendezvous
 
 
-def _worker_main(rank: int, size: int, args: WorkerArgs, conn) -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker whose caller died without stopping it (SIGKILL, out of memory) exits
+    within a poll: it would otherwise wait for ever, holding its memory, its GPU and any
+    socket it inherited (a forked server's listening port)."""
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:  # re-parented: the caller is gone
+            os._exit(1)
+
+
+def _worker_main(rank: int, size: int, args: WorkerArgs, conn, parent_pid: int) -> None:
     code = 1
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True,
+                     name="chunklocal-parent-watch").start()
     try:
         _serve(rank, size, args, conn)
         code = 0
@@ -145,7 +160,8 @@ class Workers:
         self._next_step = 0
         for rank in range(size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, size, self.args, child),
+            proc = ctx.Process(target=_worker_main,
+                               args=(rank, size, self.args, child, os.getpid()),
                                name=f"chunklocal-tp-rank{rank}", daemon=True)
             self.procs.append(proc)
             self.conns.append(parent)
@@ -188,6 +204,9 @@ class Workers:
         if self._finalizer.alive:
             self._finalizer.detach()
             _stop(self.procs, self.conns, self._tmpdir, grace)
+        if self.failure is None:
+            self.failure = ("the LLM was shut down (its tensor-parallel workers cannot "
+                            "start again): create a new LLM")
 
     # -- failure detection ------------------------------------------------------------------
     def _send(self, conn, obj, raw=False):
