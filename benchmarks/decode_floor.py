@@ -237,11 +237,48 @@ def measure_rates(device) -> dict:
             (time.perf_counter() - start)}
 
 
+def kv_bytes(llm) -> int:
+    """Bytes of the engine's KV pools (every group, every layer reading it)."""
+    layers = [0] * len(llm.groups)
+    for kind in llm.layer_kinds:
+        layers[llm.runner.kind_to_group[kind]] += 1
+    return sum((grp.num_blocks + 1) * grp.spec.page_size_bytes * n
+               for grp, n in zip(llm.groups, layers, strict=True))
+
+
+def make_llm_with_kv(path, device, max_num_seqs, max_model_len, fraction=0.8):
+    """An engine whose KV pool holds every request at max_model_len if that fits, else
+    ``fraction`` of the memory left after the weights (LLM's default budget is 40%)."""
+    whole = max_num_seqs * -(-max_model_len // 16)
+    try:
+        return make_llm(path, device, max_num_seqs, max_model_len, whole)
+    except ValueError as err:  # does not fit: measure what is left, then size from it
+        print(f"{whole} KV pages do not fit ({err}); sizing from free memory", flush=True)
+    llm = make_llm(path, device, max_num_seqs, max_model_len, None)
+    if device.type != "cuda":
+        return llm
+    now = llm.groups[0].num_blocks
+    free = torch.cuda.mem_get_info(device)[0]
+    target = min(whole, int(now * (1 + fraction * free / kv_bytes(llm))))
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    for pages in (target, None):
+        try:
+            return make_llm(path, device, max_num_seqs, max_model_len, pages)
+        except (ValueError, torch.OutOfMemoryError) as err:
+            print(f"{pages} KV pages failed ({type(err).__name__}); trying the default",
+                  flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+    raise AssertionError("unreachable: the default size loaded a moment ago")
+
+
 def run_model(model, path, args, rates, device, rows, prefill, errors, save) -> None:
     """Every (context, batch) decode cell and the prefill of one model, on one engine."""
     max_len = max(args.contexts + [args.prefill]) + 3 * args.steps + 96
-    pages = None if model == "scout-fp8" else max(args.batches) * -(-max_len // 16)
-    llm = guarded(model, lambda: make_llm(path, device, max(args.batches), max_len, pages),
+    llm = guarded(model, lambda: make_llm_with_kv(path, device, max(args.batches), max_len),
                   errors)
     if llm is None:
         return

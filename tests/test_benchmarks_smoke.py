@@ -249,3 +249,31 @@ def test_decode_floor_smoke(tmp_path):
     assert [r["prompt_len"] for r in data["prefill"]] == [90]
     assert {(r["model"], r["mode"]) for r in data["alternate"]} >= {("chunked", "graphs"),
                                                                     ("unchunked", "eager")}
+
+
+def test_decode_floor_sizes_the_pool_from_memory_when_the_whole_batch_does_not_fit(
+        tmp_path, monkeypatch):
+    import torch
+
+    from benchmarks import decode_floor
+    from benchmarks.fp8_dummy import SMOKE
+
+    path = decode_floor.write_config(tmp_path / "m", "smoke")
+    real, asked = decode_floor.make_llm, []
+
+    def make_llm(path, device, seqs, max_len, pages):
+        asked.append(pages)
+        if pages is not None:
+            raise ValueError("does not fit")
+        return real(path, device, seqs, max_len, pages)
+
+    monkeypatch.setattr(decode_floor, "make_llm", make_llm)
+    llm = decode_floor.make_llm_with_kv(path, torch.device("cpu"), 4, 100)
+    assert asked == [4 * 7, None]  # the whole batch (4 x ceil(100 / 16) pages), then default
+    # K and V, 16 tokens a page, float32, 3 chunked + 1 global layer, one scratch page each
+    page = 2 * 16 * SMOKE["num_key_value_heads"] * SMOKE["head_dim"] * 4
+    layers = {"chunked": 3, "global": 1}
+    want = sum((g.num_blocks + 1) * page * layers[name]
+               for name, g in zip(llm.group_names, llm.groups, strict=True))
+    assert decode_floor.kv_bytes(llm) == want
+    llm.shutdown()
