@@ -257,7 +257,7 @@ def make_llm_with_kv(path, device, max_num_seqs, max_model_len, fraction=0.8):
     llm = make_llm(path, device, max_num_seqs, max_model_len, None)
     if device.type != "cuda":
         return llm
-    now = llm.groups[0].num_blocks
+    now = max(g.num_blocks for g in llm.groups)  # num_kv_blocks: the global group's size
     free = torch.cuda.mem_get_info(device)[0]
     target = min(whole, int(now * (1 + fraction * free / kv_bytes(llm))))
     llm.shutdown()
