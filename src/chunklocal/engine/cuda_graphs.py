@@ -61,12 +61,15 @@ class CudaGraphs:
     def _record(self, forward, pool):
         """Capture ``forward`` (static inputs -> static output); return (graph, output).
 
-        On a capture stream of this engine's device (torch's default one is made once, on
-        whichever device was current then: kernels of another device would not be
-        captured); "thread_local" so another engine's loop thread may sync meanwhile."""
+        On one capture stream of this engine's device, kept for all its graphs (torch's
+        default one is made once, on whichever device was current then: kernels of another
+        device would not be captured; one stream for all, so the graphs share the pool's
+        blocks); "thread_local" so another engine's loop thread may sync meanwhile."""
         torch.cuda.synchronize(self.device)
+        if getattr(self, "_capture_stream", None) is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(self.device),
+        with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream,
                               capture_error_mode="thread_local"):
             output = forward()
         return graph, output
