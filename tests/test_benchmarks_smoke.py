@@ -14,6 +14,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks import workloads as wl
 
@@ -277,3 +279,38 @@ def test_decode_floor_sizes_the_pool_from_memory_when_the_whole_batch_does_not_f
                for name, g in zip(llm.group_names, llm.groups, strict=True))
     assert decode_floor.kv_bytes(llm) == want
     llm.shutdown()
+
+
+@given(positions=st.lists(st.integers(0, 300), min_size=1, max_size=6),
+       chunk=st.integers(1, 64), kinds=st.lists(st.booleans(), min_size=1, max_size=4))
+@settings(max_examples=100, deadline=None)
+def test_kv_keys_count_the_keys_the_chunk_mask_lets_a_query_see(positions, chunk, kinds):
+    """floors.kv_keys against the mask itself: key k is visible from position p when
+    k <= p and, on a chunked layer, k // c == p // c."""
+    from benchmarks.floors import kv_keys
+    from chunklocal.backends.base import Kind
+
+    layer_kinds = [Kind.CHUNKED if c else Kind.GLOBAL for c in kinds]
+    want = sum(1 for kind in layer_kinds for p in positions for k in range(p + 1)
+               if kind is Kind.GLOBAL or k // chunk == p // chunk)
+    assert kv_keys(np.array(positions), layer_kinds, chunk) == want
+
+
+@given(prompt_len=st.integers(1, 200), chunk=st.integers(1, 64),
+       kinds=st.lists(st.booleans(), min_size=1, max_size=3))
+@settings(max_examples=60, deadline=None)
+def test_prefill_flops_count_every_visible_query_key_pair(prompt_len, chunk, kinds):
+    """Attention FLOPs of floors.prefill_flops (no weights) = 4 * heads * head_dim per
+    (query, key) pair the chunked-causal mask allows, counted pair by pair."""
+    from types import SimpleNamespace
+
+    from benchmarks.floors import prefill_flops
+    from chunklocal.backends.base import Kind
+
+    config = SimpleNamespace(num_attention_heads=3, head_dim=8, attention_chunk_size=chunk,
+                             num_experts_per_tok=1, vocab_size=10, hidden_size=4)
+    layer_kinds = [Kind.CHUNKED if c else Kind.GLOBAL for c in kinds]
+    pairs = sum(1 for kind in layer_kinds for p in range(prompt_len) for k in range(p + 1)
+                if kind is Kind.GLOBAL or k // chunk == p // chunk)
+    lm_head = 2.0 * 10 * 4
+    assert prefill_flops(config, layer_kinds, prompt_len, 0, 0) == 4 * 3 * 8 * pairs + lm_head
