@@ -28,7 +28,6 @@ same KV at contexts under the chunk), N alternated repeats, the spread reported.
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -47,8 +46,9 @@ from benchmarks.common import (
     measure_matmul_flops,
     write_json,
 )
-from benchmarks.fp8_dummy import FP8_DYNAMIC, SCOUT_TEXT
+from benchmarks.fp8_dummy import FP8_DYNAMIC, SCOUT_TEXT, write_llama4_config
 from benchmarks.fp8_dummy import SMOKE as SMOKE_TEXT
+from benchmarks.host_step import sampled_without_model
 
 FOUR = dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
 MODELS = {
@@ -66,13 +66,7 @@ def write_config(path: Path, model: str, chunked: bool = True) -> Path:
     if not chunked:  # every layer global, the same weights
         text.update(attention_chunk_size=None,
                     layer_types=["full_attention"] * text["num_hidden_layers"])
-    config = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
-              "text_config": text, "vision_config": {}, "tie_word_embeddings": False}
-    if quant:
-        config["quantization_config"] = quant
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return write_llama4_config(path, text, quant)
 
 
 def make_llm(path, device, max_num_seqs, max_model_len, num_kv_blocks):
@@ -108,9 +102,7 @@ def fill(llm, batch: int, context: int, new: int) -> int:
         if sched.waiting and all(n == 1 for n in step.num_new):  # the pool is full
             for seq in list(sched.waiting):
                 sched.abort(seq)
-        sampled = [np.array([1]) if s.num_computed + n >= len(s.token_ids) else
-                   np.zeros(0, np.int64) for s, n in zip(step.seqs, step.num_new, strict=True)]
-        sched.postprocess(step, sampled, frozenset())
+        sched.postprocess(step, sampled_without_model(step, token=1), frozenset())
     return len(sched.running)
 
 

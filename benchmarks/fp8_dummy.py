@@ -56,13 +56,22 @@ FP8_DYNAMIC = {  # compressed-tensors FP8_DYNAMIC, as the community Scout FP8 ch
                               "symmetric": True, "dynamic": True}}}}
 
 
-def write_config(path: Path, smoke: bool) -> Path:
-    text = {**SCOUT_TEXT, **(SMOKE if smoke else {})}
+def write_llama4_config(path: Path, text: dict, quant: dict | None = None,
+                        **top_level) -> Path:
+    """config.json of a multimodal Llama-4 repository (``text`` nested as published)."""
     config = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
-              "image_token_index": 200092, "text_config": text, "vision_config": {},
-              "quantization_config": FP8_DYNAMIC, "tie_word_embeddings": False}
+              **top_level, "text_config": text, "vision_config": {},
+              "tie_word_embeddings": False}
+    if quant:
+        config["quantization_config"] = quant
+    path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def write_config(path: Path, smoke: bool) -> Path:
+    return write_llama4_config(path, {**SCOUT_TEXT, **(SMOKE if smoke else {})}, FP8_DYNAMIC,
+                               image_token_index=200092)
 
 
 def load_and_generate(path, args, device):

@@ -76,6 +76,14 @@ def make_engine(batch: int, context: int, chunk_size: int | None, block_size: in
     return scheduler, runner
 
 
+def sampled_without_model(batch, token: int = 7) -> list[np.ndarray]:
+    """What the sampler would hand ``Scheduler.postprocess`` for ``batch`` (no drafts):
+    one token for a request whose step reaches its last known token, none for a prefill
+    piece short of it."""
+    return [np.array([token]) if s.num_computed + n >= len(s.token_ids) else
+            np.zeros(0, np.int64) for s, n in zip(batch.seqs, batch.num_new, strict=True)]
+
+
 def step(scheduler, runner, times: dict | None) -> None:
     """One host step; adds each stage's nanoseconds to ``times`` (when given)."""
     t0 = time.perf_counter_ns()
@@ -85,8 +93,7 @@ def step(scheduler, runner, times: dict | None) -> None:
     t2 = time.perf_counter_ns()
     runner.group_inputs(batch, inputs, on_device=False)
     t3 = time.perf_counter_ns()
-    sampled = [np.array([7]) if k else np.zeros(0, np.int64)
-               for k in np.bincount(inputs.logit_owner, minlength=len(batch.seqs))]
+    sampled = sampled_without_model(batch)
     t4 = time.perf_counter_ns()
     scheduler.postprocess(batch, sampled, frozenset())
     t5 = time.perf_counter_ns()

@@ -120,7 +120,7 @@ class BlockManager:
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         num_computed = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
         changes = np.zeros(len(seqs), dtype=bool)
-        for g, grp in enumerate(self.groups):
+        for g, grp in enumerate(self.groups):  # KVGroup.new_pages / stale_pages, vectorised
             owned = self.num_pages[g, rows]
             new = np.maximum(0, -(-(num_computed + 1) // grp.block_size) - owned)
             stale = np.zeros_like(new)

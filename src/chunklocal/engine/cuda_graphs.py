@@ -37,6 +37,7 @@ class CudaGraphs:
         self.graphs, self.outputs = {}, {}
         self.replays: Counter = Counter()  # (B, q) -> replays
         self.padding_rows = 0
+        self._capture_stream = None  # made on first capture (CUDA only)
         pool = self._new_pool()
         for q in self.query_lens:
             for b in reversed(self.batch_sizes):  # largest first: the pool fits the rest
@@ -66,7 +67,7 @@ class CudaGraphs:
         device would not be captured; one stream for all, so the graphs share the pool's
         blocks); "thread_local" so another engine's loop thread may sync meanwhile."""
         torch.cuda.synchronize(self.device)
-        if getattr(self, "_capture_stream", None) is None:
+        if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream,

@@ -21,8 +21,8 @@ class APIError(Exception):
                  code: str | None = None, type: str | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error",
-                             404: "not_found_error", 503: "service_unavailable"}.get(
+        self.type = type or {401: "authentication_error", 404: "not_found_error",
+                             503: "service_unavailable"}.get(
                                  status, "invalid_request_error" if status < 500
                                  else "server_error")
 
