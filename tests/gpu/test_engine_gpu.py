@@ -174,7 +174,6 @@ def periodic_continuation(prompt, count):
     return [prompt[len(prompt) + j - period] for j in range(count)]
 
 
-@torch.inference_mode()
 def test_reporter_scenario_full_geometry_matches_torch_backend(tmp_path):
     """40/8 heads, dim 128, c=8192, one 36000-token prompt, max_num_seqs=1, 4 layers.
 

@@ -42,9 +42,9 @@ def make_backend(setup: RunnerSetup, group: KVGroup, device):
     spec = group.spec
     k = setup.num_speculative_tokens
     return FlashInferBackend(
-        spec, setup.limits, setup.num_q_heads, spec.num_kv_heads, spec.head_size,
+        spec, setup.limits, setup.num_q_heads, spec.num_kv_heads, spec.head_dim,
         setup.kv_dtype, device, setup.cuda_graphs, verify_len=k + 1 if k else None,
-        scratch_page=group.scratch_page, sm_scale=spec.head_size ** -0.5)
+        scratch_page=group.scratch_page, sm_scale=spec.head_dim ** -0.5)
 
 
 def build_runner(setup: RunnerSetup, model, device, block_manager=None) -> ModelRunner:
