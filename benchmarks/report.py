@@ -24,7 +24,7 @@ TABLES = {
                       "attention_us_48_layers", "fraction_of_attention"],
     "metadata_stages": ["layers", "stage", "median_us", "p10_us", "p90_us"],
     "cuda_graphs": ["batch", "eager_ms", "eager_forward_only_ms", "graph_host_md_ms",
-                    "graph_device_md_ms", "speedup_host_md", "speedup_device_md"],
+                    "speedup_host_md"],
     "engine": ["engine", "workload", "seconds", "tokens/s", "new_tokens/s", "steps",
                "peak_virtual_batches"],
 }
@@ -110,7 +110,8 @@ def plots(results: Path, docs: Path) -> list[Path]:
                            ("eager_forward_only_ms", "eager, kernels only (no build)"),
                            ("graph_host_md_ms", "graph, host metadata"),
                            ("graph_device_md_ms", "graph, device metadata")):
-            ax.plot(b, [r[key] for r in rows], marker="o", label=label)
+            if key in rows[0]:  # results from before the device path was removed have it
+                ax.plot(b, [r[key] for r in rows], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("decode batch size")

@@ -130,6 +130,12 @@ def train_copy_llama4(path, device, *, steps=1000, batch_size=64, length=352, lr
     return torch.stack(recent).mean().item()
 
 
+#: The GPU suite's copy model (tests/gpu/conftest.py): 8/2 heads, dim 128, chunk 64.
+COPY_GEOMETRY = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                     head_dim=128, attention_chunk_size=64, intermediate_size=128,
+                     intermediate_size_mlp=256)
+
+
 def train_copy_llama4_or_fail(path, device, **kwargs) -> None:
     """``train_copy_llama4``, timed and printed; fails unless its loss fell below 0.1
     (an untrained copy model's tokens mean nothing)."""

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from chunklocal.backends.base import EngineLimits
 from chunklocal.backends.flashinfer.buffers import CapacityError, MetadataBuffers, write_step
-from chunklocal.bounds.sizing import Capacity, group_capacities
+from chunklocal.bounds.sizing import Capacity, group_capacities, slot_page_limits
 from chunklocal.kv_spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -115,14 +115,17 @@ def test_sizing_graph_layouts_widen_capacity():
     assert group_capacities(spec, limits)[Kind.CHUNKED] == Capacity(16, 139)
     caps = group_capacities(spec, limits, graph_batch_sizes=(1, 8), query_lens=(1, 4))
     assert caps[Kind.CHUNKED] == Capacity(16, 264)
-    # The device path writes exactly B x (17 + 16) index entries: one fewer does not fit.
-    seq = torch.full((8,), 600, dtype=torch.int32)
-    table = torch.arange(8 * 63, dtype=torch.int32).reshape(8, 63)
-    MetadataBuffers(caps[Kind.CHUNKED], BS, cuda_graphs=True, verify_rows=32) \
-        .write_graph_step_device(seq, table, 4, 256, True, 0, 1000)
-    short = MetadataBuffers(Capacity(16, 263), BS, cuda_graphs=True, verify_rows=32)
-    with pytest.raises(CapacityError, match="paged_kv_indices holds 263 entries"):
-        short.write_graph_step_device(seq, table, 4, 256, True, 0, 1000)
+    # Each slot's page limit is attained: s = 515 straddles 512 with a first slot of
+    # 256 + 3 keys (17 pages); s = 768 fills its last chunk (16 pages).  The padded steps of
+    # those witnesses fit the capacity without growing (graphs on: growing would raise).
+    table = np.arange(8 * 63, dtype=np.int32).reshape(8, 63)
+    buffers = MetadataBuffers(caps[Kind.CHUNKED], BS, cuda_graphs=True, verify_rows=32)
+    per_slot = []
+    for s in (515, 768):
+        step, _ = buffers.write_graph_step(np.full(8, s), table, 4, 256, True, 0)
+        pages = np.diff(step.paged_kv_indptr.numpy())
+        per_slot.append(pages.reshape(8, 2).max(0))
+    assert np.maximum(*per_slot).tolist() == [17, 16] == list(slot_page_limits(256, 4, 1000, BS))
 
 
 def brute_force_maxima(n_max, tokens, model_len, chunk, bs):
@@ -261,7 +264,7 @@ def graph_rows(step, mask, query_len, batch, two_slots):
 
 @settings(max_examples=60, deadline=None)
 @given(st.data(), st.sampled_from([None, 32, 64]), st.sampled_from([1, 2, 4]))
-def test_graph_step_host_and_device_match_chunk_rule(data, chunk, query_len):
+def test_graph_step_matches_chunk_rule(data, chunk, query_len):
     batch = data.draw(st.integers(1, 5))
     real = data.draw(st.integers(0, batch))
     model_len = 300
@@ -280,16 +283,6 @@ def test_graph_step_host_and_device_match_chunk_rule(data, chunk, query_len):
     # Padding rows read only the scratch page (0).
     for keys in got[real * query_len:]:
         assert {k // BS for k in keys} <= {0}
-    # The device path (torch ops, here on CPU) writes the same buffers.
-    buffers.write_graph_step_device(torch.from_numpy(seq).int(), torch.from_numpy(table).int(),
-                            query_len, chunk, two_slots, 0, model_len)
-    n = step.num_batches
-    assert torch.equal(buffers.gpu["paged_kv_indptr"][: n + 1], step.paged_kv_indptr)
-    assert torch.equal(buffers.gpu["paged_kv_last_page_len"][:n], step.paged_kv_last_page_len)
-    assert torch.equal(buffers.gpu["paged_kv_indices"][: step.num_pages], step.paged_kv_indices)
-    if two_slots:
-        assert torch.equal(buffers.verify_use_first[: batch * query_len],
-                           torch.from_numpy(mask))
 
 
 def test_verify_straddling_window_uses_two_slots():

@@ -193,9 +193,6 @@ def test_graph_layout_rejects_a_window_longer_than_the_chunk():
     table = np.arange(8).reshape(1, 8)
     with pytest.raises(ValueError, match=message):
         buffers.write_graph_step(seq, table, 5, 2, True, 0)
-    with pytest.raises(ValueError, match=message):
-        buffers.write_graph_step_device(torch.from_numpy(seq), torch.from_numpy(table), 5, 2,
-                                True, 0, 16)
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 4, 6])

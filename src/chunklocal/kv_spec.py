@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     import torch
 
 
+def softmax_scale(head_dim: int) -> float:
+    """The attention softmax scale of a head of ``head_dim`` (1 / sqrt(D)): the one
+    place it is derived (model, backends and reference read it from here)."""
+    return float(head_dim) ** -0.5
+
+
 class Kind(enum.Enum):
     """How a layer attends: within its chunk (RoPE layers) or over the whole sequence."""
 

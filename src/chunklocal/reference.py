@@ -18,7 +18,6 @@ and bfloat16 are computed in float32 and the result is cast back to ``q.dtype``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from chunklocal._validate import as_int, as_int_array, cdiv, raise_first
+from chunklocal.kv_spec import softmax_scale
 from chunklocal.virtual_batches import make_virtual_batches, validate_batch
 
 _TILE_ROWS = 128
@@ -269,7 +269,7 @@ def run_paged_attention(plan: PagedAttentionPlan, q, k_cache, v_cache,
     _check_against_plan(plan, q, k_cache)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scale = softmax_scale(head_dim) if scale is None else float(scale)
     gqa = k_cache.shape[2] != num_q_heads
     flat_k = k_cache.reshape(-1, *k_cache.shape[2:])
     flat_v = v_cache.reshape(-1, *v_cache.shape[2:])

@@ -140,8 +140,7 @@ def test_decode_graph_replay_changing_lengths(chunk):
         steps = decode_steps(rng, batch, model_len, 4)
         q_static = torch.zeros(batch, HQ, D, device="cuda", dtype=DT)
         out_static = torch.zeros_like(q_static)
-        table = tables(rng, batch, width, num_pages)
-        md = backend.build(np.arange(batch + 1), steps[0], table, graph_batch_size=batch)
+        md = backend.capture_step(batch, 1)  # what the engine captures: all padding
         backend.forward(md, q_static, k, v, SCALE, out=out_static)  # warm-up
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -157,46 +156,6 @@ def test_decode_graph_replay_changing_lengths(chunk):
             check(out_static[:n], q_static[:n], k, v, np.arange(n + 1), seq, table, chunk)
 
 
-@pytest.mark.parametrize("chunk", [None, 512])
-def test_whole_decode_step_in_one_graph(chunk):
-    """Metadata update (device path) and attention captured together, replayed."""
-    rng = np.random.default_rng(3)
-    model_len, batch = 2048, 8
-    limits = EngineLimits(8, 4096, model_len, BS)
-    backend = FlashInferBackend(spec(chunk), limits, HQ, HKV, D, DT, "cuda", True,
-                                graph_batch_sizes=(batch,), scratch_page=0)
-    width = -(-model_len // BS)
-    num_pages = 8 * width + 1
-    k, v = kv_cache(num_pages, 4)
-    seq_gpu = torch.zeros(batch, dtype=torch.int32, device="cuda")
-    table_gpu = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
-    q_static = torch.zeros(batch, HQ, D, device="cuda", dtype=DT)
-    out_static = torch.zeros_like(q_static)
-
-    def step():
-        md = backend.build_on_device(seq_gpu, table_gpu, graph_batch_size=batch)
-        backend.forward(md, q_static, k, v, SCALE, out=out_static)
-
-    seq_gpu.fill_(1)
-    step()  # warm-up outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for i, seq in enumerate(decode_steps(rng, batch, model_len, 4)):
-        n = seq.shape[0]
-        table = tables(rng, n, width, num_pages)
-        padded = np.zeros(batch, np.int32)
-        padded[:n] = seq
-        seq_gpu.copy_(torch.from_numpy(padded))
-        table_gpu.zero_()
-        table_gpu[:n].copy_(torch.from_numpy(table))
-        q_static.copy_(queries(batch, 200 + i))
-        out_static.fill_(NAN)
-        graph.replay()
-        check(out_static[:n], q_static[:n], k, v, np.arange(n + 1), seq, table, chunk)
-
-
 # ------------------------------------------------------------------- (d)
 def verify_lengths(rng, n, chunk, model_len, query_len):
     """Half the windows straddle a chunk boundary (s - query_len < b <= s - 1)."""
@@ -210,9 +169,8 @@ def verify_lengths(rng, n, chunk, model_len, query_len):
     return seq, crosses
 
 
-@pytest.mark.parametrize("device_metadata", [False, True])
 @pytest.mark.parametrize("chunk", [512, None])
-def test_verify_k3_graph_straddling_windows(chunk, device_metadata):
+def test_verify_k3_graph_straddling_windows(chunk):
     rng = np.random.default_rng(5)
     model_len, batch, query_len = 2048, 8, 4  # k = 3 draft tokens
     limits = EngineLimits(8, 4096, model_len, BS)
@@ -222,44 +180,20 @@ def test_verify_k3_graph_straddling_windows(chunk, device_metadata):
     width = -(-model_len // BS)
     num_pages = 8 * width + 1
     k, v = kv_cache(num_pages, 6)
-    seq_gpu = torch.zeros(batch, dtype=torch.int32, device="cuda")
-    table_gpu = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
     q_static = torch.zeros(batch * query_len, HQ, D, device="cuda", dtype=DT)
     out_static = torch.zeros_like(q_static)
-    host = {}
-
-    def metadata():
-        if device_metadata:
-            return backend.build_on_device(seq_gpu, table_gpu, graph_batch_size=batch,
-                                           query_len=query_len)
-        n = host["seq"].shape[0]
-        return backend.build(np.arange(n + 1) * query_len, host["seq"], host["table"],
-                             graph_batch_size=batch)
-
-    def set_step(seq, table):
-        host.update(seq=seq, table=table)
-        padded = np.zeros(batch, np.int32)
-        padded[: seq.shape[0]] = seq
-        seq_gpu.copy_(torch.from_numpy(padded))
-        table_gpu.zero_()
-        table_gpu[: seq.shape[0]].copy_(torch.from_numpy(table))
-
-    set_step(np.full(batch, 600), tables(rng, batch, width, num_pages))
-    md = metadata()
+    md = backend.capture_step(batch, query_len)  # what the engine captures: all padding
     backend.forward(md, q_static, k, v, SCALE, out=out_static)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        if device_metadata:
-            metadata()
         backend.forward(md, q_static, k, v, SCALE, out=out_static)
     for i, n in enumerate((batch, 5, batch)):
         seq, crosses = verify_lengths(rng, n, 512, model_len, query_len)
         assert crosses.sum() == (n + 1) // 2
         table = tables(rng, n, width, num_pages)
-        set_step(seq, table)
-        if not device_metadata:
-            metadata()
+        assert backend.build(np.arange(n + 1) * query_len, seq, table,
+                             graph_batch_size=batch) is md
         q_static.copy_(queries(batch * query_len, 300 + i))
         out_static.fill_(NAN)
         graph.replay()

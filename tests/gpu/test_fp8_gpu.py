@@ -31,7 +31,7 @@ from llama4_published import (  # noqa: E402
     read_tensors,
     write_published,
 )
-from llama4_tiny import copy_prompts, train_copy_llama4_or_fail  # noqa: E402
+from llama4_tiny import COPY_GEOMETRY, copy_prompts  # noqa: E402
 
 import chunklocal  # noqa: E402
 from chunklocal.models.quant import (  # noqa: E402
@@ -42,8 +42,7 @@ from chunklocal.models.quant import (  # noqa: E402
     quantize_per_token,
 )
 
-GEOMETRY = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                attention_chunk_size=64, intermediate_size=128, intermediate_size_mlp=256)
+GEOMETRY = COPY_GEOMETRY
 LENGTHS = [20, 63, 64, 65, 130, 200, 257, 300]
 NEW = 24
 BF16_U = 2.0 ** -8   # unit roundoff of bf16 (8 significant bits): one rounding to nearest
@@ -201,11 +200,10 @@ def oracle_report(llm, oracle, prompts, outs) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(copy_model):
     from transformers import Llama4ForCausalLM
 
-    path = tmp_path_factory.mktemp("llama4_copy_fp8")
-    train_copy_llama4_or_fail(path, "cuda", vocab_size=128, **GEOMETRY)
+    path = copy_model
     hf = Llama4ForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                            attn_implementation="eager").eval()
     text = {**hf.config.to_dict(), "torch_dtype": "bfloat16", "model_type": "llama4_text",

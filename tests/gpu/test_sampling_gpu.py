@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("flashinfer")
 
-from llama4_tiny import copy_prompts, train_copy_llama4, write_tiny_llama4  # noqa: E402
+from llama4_tiny import COPY_GEOMETRY, copy_prompts, write_tiny_llama4  # noqa: E402
 from test_engine_sampler import ref_keep  # noqa: E402
 from test_engine_threads import run_threads  # noqa: E402
 
@@ -29,8 +29,7 @@ import chunklocal  # noqa: E402
 from chunklocal.engine.sampler import Sampler, sampling_row  # noqa: E402
 from chunklocal.engine.sampling import SamplingParams  # noqa: E402
 
-GEOMETRY = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                attention_chunk_size=64, intermediate_size=128, intermediate_size_mlp=256)
+GEOMETRY = COPY_GEOMETRY
 
 
 def fake_seqs(params, count):
@@ -79,11 +78,8 @@ def test_gpu_seeded_rows_reproducible_and_distinct():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama4_copy_core")
-    loss = train_copy_llama4(path, "cuda", vocab_size=128, **GEOMETRY)
-    assert loss < 0.1, f"the copy model did not train (loss {loss:.3f})"
-    return path
+def trained(copy_model):
+    return copy_model
 
 
 def test_gpu_engine_core_threads_equal_sequential_greedy(trained):

@@ -33,9 +33,20 @@ class EngineLimits:
 
 
 class AttentionBackend(Protocol):
-    """One object per KV-cache group (a spec + its layers' head geometry)."""
+    """One object per KV-cache group (a spec + its layers' head geometry).
+
+    CUDA graphs are part of the contract: a backend that captures none has empty
+    ``graph_batch_sizes``.  The engine captures one graph per (B, q) in
+    ``graph_batch_sizes`` x ``graph_query_lens`` over :meth:`capture_step`'s
+    metadata, and before each replay refreshes the same persistent metadata with
+    ``build(..., graph_batch_size=B)``.
+    """
 
     block_size: int
+    #: Batch sizes B of the captured graphs (sorted; () when the backend has none).
+    graph_batch_sizes: tuple[int, ...]
+    #: Query lengths q of the captured graphs: (1,) decode, (1, k + 1) with verify.
+    graph_query_lens: tuple[int, ...]
 
     def build(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
               block_table: np.ndarray, *, graph_batch_size: int | None = None) -> Any:
@@ -44,6 +55,12 @@ class AttentionBackend(Protocol):
         ``graph_batch_size=B`` refreshes the persistent metadata of the captured
         (B, query length) CUDA graph instead (backends without graphs raise).
         """
+
+    def capture_step(self, batch_size: int, query_len: int) -> Any:
+        """The persistent metadata a (B, q) graph captures, filled with B padding
+        requests (they read only the group's scratch page): what ``build(...,
+        graph_batch_size=B)`` refreshes before each replay.  Backends without graphs
+        raise ValueError."""
 
     def forward(self, metadata: Any, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scale: float, *,

@@ -12,10 +12,12 @@ tensor math, no validation, tiling or index building per layer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from chunklocal.backends.base import Kind, pick_kind
-from chunklocal.kv_spec import attention_kinds, chunk_size_of
+from chunklocal.kv_spec import FullAttentionSpec, attention_kinds, chunk_size_of
 from chunklocal.reference import PagedAttentionPlan, plan_validated, run_paged_attention
 from chunklocal.virtual_batches import split_batch, validate_batch
 
@@ -24,14 +26,18 @@ class TorchRefBackend:
     """``num_q_heads`` sizes the plans' memory groups (None: as if Hq == Hkv);
     ``device`` is where the plans' index tensors live (that of q and the caches)."""
 
-    def __init__(self, spec, num_q_heads: int | None = None, device="cpu"):
+    #: No CUDA graphs (see backends/base.py).
+    graph_batch_sizes: tuple[int, ...] = ()
+    graph_query_lens: tuple[int, ...] = ()
+
+    def __init__(self, spec: FullAttentionSpec, num_q_heads: int | None = None, device="cpu"):
         self.block_size = spec.block_size
         self.chunk_size = chunk_size_of(spec)
         #: Layer kinds reading this group.
         self.kinds = attention_kinds(spec)
-        self.geometry = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                             head_dim=spec.head_dim, num_q_heads=num_q_heads,
-                             device=torch.device(device))
+        self.geometry: dict[str, Any] = dict(
+            block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            num_q_heads=num_q_heads, device=torch.device(device))
 
     def build(self, query_start_loc, seq_lens, block_table, *,
               graph_batch_size=None) -> dict[Kind, PagedAttentionPlan]:
@@ -52,6 +58,10 @@ class TorchRefBackend:
                 plans[kind] = plan_validated(qsl, seq_lens, block_table, query_lens,
                                              **self.geometry)
         return plans
+
+    def capture_step(self, batch_size: int, query_len: int):
+        raise ValueError("TorchRefBackend has no CUDA-graph layouts "
+                         f"(batch size {batch_size}, query length {query_len})")
 
     def forward(self, metadata: dict[Kind, PagedAttentionPlan], q, k_cache, v_cache,
                 scale: float, *, kind: Kind | None = None):

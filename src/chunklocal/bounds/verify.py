@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -90,7 +92,8 @@ def check_group(task):
     n_grid, t_grid = np.meshgrid(np.arange(1, max_n + 1), np.arange(1, max_t + 1), indexing="ij")
     max_q = min(model_len, max_t)
     published = np.minimum(2 * n_grid + (-(-t_grid // chunk)), t_grid)
-    stats = {"configs": 0, "verify_checks": 0, "verify_violations": 0, "examples": []}
+    stats: dict[str, Any] = {"configs": 0, "verify_checks": 0, "verify_violations": 0,
+                             "examples": []}
     for name in _METRICS:
         stats.update({f"{name}_violations": 0, f"{name}_published_unsafe": 0,
                       f"{name}_tighter": 0, f"{name}_gap_sum": 0, f"{name}_gap_max": 0,
@@ -164,7 +167,7 @@ def parse_int_list(text: str) -> list[int]:
     """'1-16' or '1,2,4,8' or a mix ('1-4,8,16') -> sorted distinct positive ints."""
     if not text.strip():
         raise ValueError("empty: want '1-16' or '1,2,4'")
-    values = set()
+    values: set[int] = set()
     for part in text.split(","):
         lo, _, hi = part.strip().partition("-")
         try:
@@ -185,8 +188,9 @@ def sweep(max_n: int, max_t: int, chunks, workers: int = 2, progress: bool = Tru
     tasks = [(c, length, max_n, max_t, 3 * c + 2) for c in chunks
              for length in model_lens(c, extra_lens)]
     tasks.sort(key=lambda t: -t[0] * min(t[1], max_t))  # big tasks first: even finish
-    total = {}
+    total: dict[str, Any] = {}
     bar = tqdm(total=len(tasks), desc="verify-bounds", unit="(c,L)", disable=not progress)
+    results: Iterator[dict[str, Any]]
     if workers <= 1:
         results = map(check_group, tasks)
         pool = None

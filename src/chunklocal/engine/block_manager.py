@@ -30,7 +30,7 @@ import torch
 
 from chunklocal._validate import cdiv
 from chunklocal.engine.sequence import Sequence
-from chunklocal.kv_spec import chunk_size_of, needs_global_pages
+from chunklocal.kv_spec import FullAttentionSpec, chunk_size_of, needs_global_pages
 
 
 def available_memory(device) -> int:
@@ -50,7 +50,7 @@ def available_memory(device) -> int:
 
 @dataclass
 class KVGroup:
-    spec: object
+    spec: FullAttentionSpec
     num_blocks: int
 
     def __post_init__(self):

@@ -148,10 +148,9 @@ class EngineCore:
         for i in range(params.n):
             child = params if params.seed is None or params.n == 1 else params.replace(
                 seed=params.seed + i, n=1)
-            sample = Sample(req, i, child, tokenizer)
             seq = Sequence(next(self._seq_ids), ids, child, groups)
+            sample = Sample(req, i, child, tokenizer, seq)
             seq.sampling_row, seq.capture, seq.sample = sampling_row(child), capture, sample
-            sample.seq = seq
             req.samples.append(sample)
         return req
 

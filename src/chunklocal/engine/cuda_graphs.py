@@ -15,17 +15,65 @@ touched, and their outputs are dropped.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class GraphRecorder(Protocol):
+    """How graphs are recorded: torch.cuda's (:class:`CudaGraphRecorder`), or a
+    recorder a test injects to run the capture and replay logic on the CPU."""
+
+    def new_pool(self) -> Any:
+        """A memory pool the engine's graphs share."""
+
+    def record(self, forward: Callable[[], torch.Tensor],
+               pool: Any) -> tuple[Replayable, torch.Tensor]:
+        """Capture ``forward`` (static inputs -> static output): (graph, output)."""
+
+
+class CudaGraphRecorder:
+    """torch.cuda graphs on one device, on one capture stream for all its graphs.
+
+    torch's default capture stream is made once, on whichever device was current then:
+    kernels of another device would not be captured.  One stream for all, so the graphs
+    share the pool's blocks; "thread_local" so another engine's loop thread may sync
+    meanwhile."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.stream: torch.cuda.Stream | None = None  # made on the first capture
+
+    def new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def record(self, forward, pool):
+        torch.cuda.synchronize(self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream,
+                              capture_error_mode="thread_local"):
+            output = forward()
+        return graph, output
+
+
 class CudaGraphs:
     """``make_steps(batch_size, query_len, slot_mappings)`` returns the steps a
-    (B, q) graph captures; ``scratch_slots[g]`` is group g's padding cache row."""
+    (B, q) graph captures; ``scratch_slots[g]`` is group g's padding cache row;
+    ``recorder`` records them (None: :class:`CudaGraphRecorder` on ``device``)."""
 
-    def __init__(self, model, make_steps, scratch_slots, batch_sizes, query_lens, device):
+    def __init__(self, model, make_steps, scratch_slots, batch_sizes, query_lens, device,
+                 recorder: GraphRecorder | None = None):
         self.model, self.make_steps, self.device = model, make_steps, device
+        self.recorder: GraphRecorder = (CudaGraphRecorder(device) if recorder is None
+                                        else recorder)
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.query_lens = tuple(query_lens)
         rows = max(self.batch_sizes) * max(self.query_lens)
@@ -37,8 +85,7 @@ class CudaGraphs:
         self.graphs, self.outputs = {}, {}
         self.replays: Counter = Counter()  # (B, q) -> replays
         self.padding_rows = 0
-        self._capture_stream = None  # made on first capture (CUDA only)
-        pool = self._new_pool()
+        pool = self.recorder.new_pool()
         for q in self.query_lens:
             for b in reversed(self.batch_sizes):  # largest first: the pool fits the rest
                 self._capture(b, q, pool)
@@ -52,28 +99,8 @@ class CudaGraphs:
             return self.model(self.input_ids[:rows], self.positions[:rows], steps)
 
         forward()  # warm-up: lazy kernel setup happens outside the capture
-        graph, output = self._record(forward, pool)
+        graph, output = self.recorder.record(forward, pool)
         self.graphs[batch_size, query_len], self.outputs[batch_size, query_len] = graph, output
-
-    # The two CUDA-specific hooks (tests replace them to run this logic on the CPU).
-    def _new_pool(self):
-        return torch.cuda.graph_pool_handle()
-
-    def _record(self, forward, pool):
-        """Capture ``forward`` (static inputs -> static output); return (graph, output).
-
-        On one capture stream of this engine's device, kept for all its graphs (torch's
-        default one is made once, on whichever device was current then: kernels of another
-        device would not be captured; one stream for all, so the graphs share the pool's
-        blocks); "thread_local" so another engine's loop thread may sync meanwhile."""
-        torch.cuda.synchronize(self.device)
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream,
-                              capture_error_mode="thread_local"):
-            output = forward()
-        return graph, output
 
     def layout_for(self, query_lens: np.ndarray, num_drafts: np.ndarray):
         """(B, q) for an all-decode / all-verify step with one query length, else None."""

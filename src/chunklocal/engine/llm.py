@@ -10,6 +10,7 @@ import torch
 
 from chunklocal._validate import as_bool, as_int, cdiv, check_chunk_geometry
 from chunklocal.backends.base import EngineLimits, Kind
+from chunklocal.backends.factory import BACKEND_DEVICES, resolve_backend
 from chunklocal.bounds.closed_forms import max_virtual_batches
 from chunklocal.engine.block_manager import BlockManager, KVGroup, available_memory
 from chunklocal.engine.requests import check_device, check_prompts, load_tokenizer, torch_dtype
@@ -70,6 +71,13 @@ class LLM(OwnsWorkers):
     each gets exactly what it would get alone (greedy).  ``last_stats`` is the
     calling thread's latest call's ``GenerateStats`` (see engine/stats.py).
     """
+
+    #: Device types each attention backend may run on (backends/factory.py), and what
+    #: records CUDA graphs (None: torch.cuda's, on a GPU).  A subclass may widen both:
+    #: the CPU tests run the FlashInfer path against a strict stand-in of the library
+    #: (tests/flashinfer_standin.py) with a recorder that replays on the CPU.
+    backend_devices = BACKEND_DEVICES
+    graph_recorder = None
 
     def __init__(self, model, *, device="cpu", dtype=None, max_num_seqs=256,
                  max_num_batched_tokens=8192, max_model_len=None, block_size=16,
@@ -139,16 +147,11 @@ class LLM(OwnsWorkers):
         self.max_num_seqs, self.block_size = int(max_num_seqs), int(block_size)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.num_speculative_tokens = int(num_speculative_tokens)
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        # Graphs are recorded by torch.cuda on a GPU, or by an injected graph_recorder.
+        self.cuda_graphs = cuda_graphs and (self.device.type == "cuda"
+                                            or self.graph_recorder is not None)
 
-        backend_name = attention_backend
-        if backend_name == "auto":
-            backend_name = "flashinfer" if self.device.type == "cuda" else "torch"
-        if backend_name not in ("torch", "flashinfer"):
-            raise ValueError(f"unknown attention_backend {attention_backend!r} "
-                             "(expected 'auto', 'torch' or 'flashinfer')")
-        if backend_name == "flashinfer" and self.device.type != "cuda":
-            raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got {device}")
+        backend_name = resolve_backend(attention_backend, self.device, self.backend_devices)
         if dtype is None and backend_name == "flashinfer":
             # FlashInfer kernels run in 16-bit; keep a 16-bit checkpoint dtype, else bf16.
             dtype = ckpt.dtype if ckpt.dtype in (torch.float16, torch.bfloat16) \
@@ -188,11 +191,12 @@ class LLM(OwnsWorkers):
             EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                          self.block_size),
             config.num_attention_heads // n, kv_dtype, self.num_speculative_tokens,
-            self.cuda_graphs, seed, chunk)
+            self.cuda_graphs, seed, chunk, self.graph_recorder)
         if n == 1:
             with on_device:  # CUDA graphs are captured here
                 self.runner = build_runner(setup, self.model, self.device, self.block_manager)
-        else:  # every rank loads its slices, builds its backends and captures its graphs
+        elif self.workers is not None:  # every rank loads its slices, builds its backends
+            #                              and captures its graphs
             self.runner = self.workers.start_runners(setup, self.block_manager)
         self._tokenizer = None
         self._core = None

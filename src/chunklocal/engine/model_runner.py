@@ -26,6 +26,7 @@ import torch
 from chunklocal._validate import cdiv
 from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.engine.block_manager import BlockManager
+from chunklocal.engine.cuda_graphs import CudaGraphs
 from chunklocal.engine.sampler import DeviceSample, Sampler, SampleResult, to_device
 from chunklocal.engine.scheduler import ScheduledBatch
 from chunklocal.virtual_batches import virtual_batches_per_request
@@ -88,24 +89,22 @@ class ModelRunner:
         self.capture: dict | None = None
         self.capture_last_only = False
         self.capturing = 0
-        self.graphs = None
+        self.graphs: CudaGraphs | None = None
         self.graph_steps = 0
         if model is not None:  # None: the host half of a tensor-parallel engine
             self._bind_caches(kv_dtype)
 
-    def enable_cuda_graphs(self, batch_sizes, query_lens) -> None:
-        from chunklocal.engine.cuda_graphs import CudaGraphs
-
+    def enable_cuda_graphs(self, batch_sizes, query_lens, recorder=None) -> None:
         self.graphs = CudaGraphs(self.model, self.graph_steps_for,
                                  [grp.scratch_page * self.block_size for grp in self.groups],
-                                 batch_sizes, query_lens, self.device)
+                                 batch_sizes, query_lens, self.device, recorder)
 
     def graph_steps_for(self, batch_size: int, query_len: int, slot_mappings):
-        """Steps a (B, q) graph captures: one dummy request reading only the scratch
-        page selects the layout; replays refresh the same persistent metadata."""
-        tables = [np.array([[grp.scratch_page]], dtype=np.int32) for grp in self.groups]
-        return self.build_steps(np.array([0, query_len]), np.array([query_len]), tables,
-                                slot_mappings, graph_batch_size=batch_size)
+        """Steps a (B, q) graph captures: each backend's own capture metadata (all
+        padding); replays refresh the same persistent metadata (``build_steps``)."""
+        metadata = [backend.capture_step(batch_size, query_len) for backend in self.backends]
+        return {kind: AttentionStep(self.backends[g], metadata[g], slot_mappings[g], kind)
+                for kind, g in self.kind_to_group.items()}
 
     def _bind_caches(self, kv_dtype):
         for layer in self.model.layers:
@@ -202,7 +201,7 @@ class ModelRunner:
             layout = self.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
         input_ids = to_device(inputs.input_ids, self.device)
         holes = np.flatnonzero(inputs.input_ids < 0) if prev is not None else ()
-        if len(holes):
+        if len(holes) and prev is not None:
             owner = np.searchsorted(inputs.query_start_loc, holes, side="right") - 1
             src = np.fromiter((batch.seqs[i].placeholder_row for i in owner), np.int64,
                               owner.shape[0])
@@ -223,7 +222,7 @@ class ModelRunner:
         """Hidden states of every token (``slots``, ``input_ids``: on the device)."""
         steps = self.build_steps(inputs.query_start_loc, inputs.seq_lens, tables, slots,
                                  graph_batch_size=layout[0] if layout else None)
-        if layout is not None:
+        if layout is not None and self.graphs is not None:
             self.graph_steps += 1
             return self.graphs.replay(layout, input_ids, inputs.positions, slots)
         return self.model(input_ids, to_device(inputs.positions, self.device), steps)

@@ -30,11 +30,21 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-_UNSET = object()
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+#: Default of every field, replaced in __post_init__: tells a field the caller left unset
+#: (fields_set) from one set to its default.  Typed Any so that it is every field's default.
+_UNSET: Any = _Unset()
 
 #: Field -> default (vLLM's).
 DEFAULTS = dict(
@@ -66,35 +76,42 @@ def _bad(name, value, expected):
     return ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class SamplingParams:
-    """Sampling of one request (see the module docstring).  Keyword arguments only."""
+    """Sampling of one request (see the module docstring).  Keyword arguments only.
 
-    __slots__ = (*DEFAULTS, "_fields_set")
+    ``stop`` may also be given as None, a string or a list, and ``stop_token_ids`` as None
+    or a list: both are stored as tuples (numbers as Python int / float / bool).
+    """
 
-    def __init__(self, *, n=_UNSET, temperature=_UNSET, top_p=_UNSET, top_k=_UNSET,
-                 min_p=_UNSET, seed=_UNSET, max_tokens=_UNSET, stop=_UNSET,
-                 stop_token_ids=_UNSET, ignore_eos=_UNSET, logprobs=_UNSET,
-                 repetition_penalty=_UNSET, presence_penalty=_UNSET,
-                 frequency_penalty=_UNSET, include_stop_str_in_output=_UNSET,
-                 skip_special_tokens=_UNSET):
-        given = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                     seed=seed, max_tokens=max_tokens, stop=stop,
-                     stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-                     repetition_penalty=repetition_penalty,
-                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                     include_stop_str_in_output=include_stop_str_in_output,
-                     skip_special_tokens=skip_special_tokens)
-        fields_set = frozenset(k for k, v in given.items() if v is not _UNSET)
+    n: int = _UNSET
+    temperature: float = _UNSET
+    top_p: float = _UNSET
+    top_k: int = _UNSET
+    min_p: float = _UNSET
+    seed: int | None = _UNSET
+    max_tokens: int | None = _UNSET
+    stop: tuple[str, ...] = _UNSET
+    stop_token_ids: tuple[int, ...] = _UNSET
+    ignore_eos: bool = _UNSET
+    logprobs: int | None = _UNSET
+    repetition_penalty: float = _UNSET
+    presence_penalty: float = _UNSET
+    frequency_penalty: float = _UNSET
+    include_stop_str_in_output: bool = _UNSET
+    skip_special_tokens: bool = _UNSET
+    _fields_set: frozenset[str] = field(default=frozenset(), init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = {name: getattr(self, name) for name in DEFAULTS}
         values = {k: (DEFAULTS[k] if v is _UNSET else v) for k, v in given.items()}
         for name, value in _checked(values).items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "_fields_set", fields_set)
-
-    def __setattr__(self, name, value):
-        raise AttributeError("SamplingParams is immutable; use .replace(field=value)")
+        object.__setattr__(self, "_fields_set",
+                           frozenset(k for k, v in given.items() if v is not _UNSET))
 
     @property
-    def fields_set(self) -> frozenset:
+    def fields_set(self) -> frozenset[str]:
         """The fields the caller passed (the others hold defaults)."""
         return self._fields_set
 
@@ -128,28 +145,11 @@ class SamplingParams:
         return (self.greedy and self.repetition_penalty == 1.0
                 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)
 
-    def __eq__(self, other):
-        if not isinstance(other, SamplingParams):
-            return NotImplemented
-        return self.as_dict() == other.as_dict()
-
-    def __hash__(self):
-        return hash(tuple(self.as_dict().items()))
-
-    def __repr__(self):
+    def __repr__(self) -> str:
         normal = _checked(DEFAULTS)
         shown = ", ".join(f"{k}={getattr(self, k)!r}" for k in DEFAULTS
                           if getattr(self, k) != normal[k])
         return f"SamplingParams({shown})"
-
-    def __reduce__(self):
-        return (_rebuild, (self.as_dict(), tuple(sorted(self._fields_set))))
-
-
-def _rebuild(values, fields_set):
-    params = SamplingParams(**values)
-    object.__setattr__(params, "_fields_set", frozenset(fields_set))
-    return params
 
 
 def _checked(v: dict) -> dict:

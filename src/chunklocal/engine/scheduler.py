@@ -90,7 +90,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self.tokens_left += seq.num_prompt_tokens + seq.params.max_tokens
+        self.tokens_left += seq.num_prompt_tokens + seq.max_tokens
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -121,7 +121,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = Status.FINISHED
-        self.tokens_left -= seq.num_prompt_tokens + seq.params.max_tokens
+        self.tokens_left -= seq.num_prompt_tokens + seq.max_tokens
         return True
 
     def _draft(self, seq: Sequence) -> list[int]:
@@ -221,7 +221,7 @@ class Scheduler:
     def _append(self, seq: Sequence, new: list[int], eos_ids: frozenset[int]) -> bool:
         """Append ``new`` up to the first that finishes ``seq``; True if one did."""
         params, ids = seq.params, seq.token_ids
-        end = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        end = min(seq.num_prompt_tokens + seq.max_tokens, self.max_model_len)
         for token in new:
             ids.append(token)
             if token in eos_ids and not params.ignore_eos:
@@ -270,7 +270,7 @@ class Scheduler:
             self.steps_without_token = 0
             if self._append(seq, new, eos_ids):
                 self.block_manager.free(seq)
-                self.tokens_left -= seq.num_prompt_tokens + seq.params.max_tokens
+                self.tokens_left -= seq.num_prompt_tokens + seq.max_tokens
                 finished.append(seq)
         if finished:  # one pass, order kept (not one list.remove per finished request)
             self.running = [s for s in self.running if s.status is not Status.FINISHED]

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, Any
 
 from chunklocal.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 class Status(enum.Enum):
@@ -21,7 +26,8 @@ class Sequence:
     current chunk; their entries stay as placeholders (page 0) that no
     attention row ever reads, so a column index is always a logical page.
 
-    ``params.max_tokens`` must be an int here (the engine core resolves None).
+    ``params.max_tokens`` must be an int here (the engine core resolves None); it is
+    ``max_tokens``.
     ``finish_reason`` / ``stop_reason`` are set by whoever finishes it (scheduler:
     EOS, stop token, length; engine core: stop string, abort).
     """
@@ -32,6 +38,10 @@ class Sequence:
         self.token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.params = params
+        if params.max_tokens is None:
+            raise ValueError(f"sequence {seq_id}: max_tokens None must be resolved to the "
+                             "room left in max_model_len first (the engine core does)")
+        self.max_tokens: int = params.max_tokens
         self.status = Status.WAITING
         self.num_computed = 0
         self.block_tables: list[list[int]] = [[] for _ in range(num_groups)]
@@ -45,14 +55,15 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         #: float64 row of sampling parameters (engine/sampler.py), set by the engine core.
-        self.sampling_row = None
+        self.sampling_row: np.ndarray | None = None
         #: The seeded request's own torch.Generator (made by the sampler on first use).
-        self.generator = None
+        self.generator: torch.Generator | None = None
         #: "all" / "last": the runner keeps this request's prompt logits (prompt_logits).
         self.capture: str | None = None
         self.captured: list = []
-        #: The engine core's Sample this sequence feeds (engine/stream.py).
-        self.sample = None
+        #: The engine core's Sample this sequence feeds (engine/stream.py, which imports
+        #: this module: typed Any so that the import graph stays acyclic).
+        self.sample: Any = None
         #: Overlapped steps (engine/overlap.py): index in token_ids of the token still on
         #: the device, and its row in that step's samples.
         self.placeholder_index: int | None = None
@@ -80,4 +91,4 @@ class Sequence:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return self.params.max_tokens - self.num_generated
+        return self.max_tokens - self.num_generated

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from chunklocal.engine.detokenize import IncrementalDetokenizer
 from chunklocal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+if TYPE_CHECKING:
+    from chunklocal.engine.sequence import Sequence
 
 
 class Sample:
     """One of a request's ``n`` samples: what has been emitted so far."""
 
-    def __init__(self, request, index: int, params, tokenizer):
+    def __init__(self, request, index: int, params, tokenizer, seq: Sequence):
         self.request, self.index, self.params = request, index, params
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None \
@@ -30,7 +35,7 @@ class Sample:
         self.detok = None if tokenizer is None else IncrementalDetokenizer(
             tokenizer, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output)
-        self.seq = None  # its engine Sequence
+        self.seq = seq  # its engine Sequence
 
     @property
     def text(self) -> str:
@@ -98,7 +103,7 @@ class RequestStream:
         self._cond = threading.Condition()
         self._version = 0
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self._abort = None  # set by the engine core: callable(wait: bool)
+        self._abort: Callable[[bool], None] | None = None  # set by the engine core
         self._done = threading.Event()  # set after the final publish (result() waits here)
         self._sync_readers = 0  # threads inside __iter__'s wait (skip notify_all without)
 
@@ -182,4 +187,6 @@ class RequestStream:
 
     def abort(self, wait: bool = False) -> None:
         """Same as ``EngineCore.abort(self.request_id, wait)``."""
+        if self._abort is None:
+            raise RuntimeError(f"request {self.request_id}: not submitted to an engine core")
         self._abort(wait)

@@ -150,8 +150,8 @@ class Workers:
         # without a __main__ guard; they run one thread (start_workers), because an OpenMP
         # thread team of the parent does not survive the fork (a forked parallel region waits
         # forever on its missing threads).
-        method = "spawn" if args["device_type"] == "cuda" else "fork"
-        ctx = torch.multiprocessing.get_context(method)
+        mp = torch.multiprocessing
+        ctx = mp.get_context("spawn") if args["device_type"] == "cuda" else mp.get_context("fork")
         self._tmpdir = tempfile.mkdtemp(prefix="chunklocal-tp-")
         self.args = WorkerArgs(init_file=os.path.join(self._tmpdir, "store"), **args)
         self.procs, self.conns = [], []
@@ -220,7 +220,7 @@ class Workers:
         pending, got = set(ranks), {}
         sentinels = [proc.sentinel for proc in self.procs]
         while pending:
-            ready = wait(list(self.conns) + sentinels)
+            ready = wait([*self.conns, *sentinels])
             problem = any(s in ready for s in sentinels)
             for rank, conn in enumerate(self.conns):
                 if conn not in ready:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from chunklocal.backends.base import AttentionStep, Kind
+from chunklocal.kv_spec import softmax_scale
 from chunklocal.models.llama4_config import (  # noqa: F401  (load_text_config: re-exported)
     activation,
     layer_kind,
@@ -86,7 +87,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads // tp.size
         self.num_kv_heads, kv_replicas = kv_head_split(config.num_key_value_heads, tp.size)
         self.head_dim = config.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = softmax_scale(self.head_dim)
         self.use_rope = bool(config.no_rope_layers[layer_idx])
         self.kind = layer_kind(config, layer_idx)
         self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
@@ -106,7 +107,8 @@ class Attention(nn.Module):
         self.o_proj = row_parallel(heads * hd, hidden, bias, tp,
                                    make=_maker(fp8, f"{prefix}.o_proj"))
         # Paged caches [num_blocks, block_size, Hkv, D], bound by the model runner.
-        self.k_cache = self.v_cache = None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, positions, freqs_cis, step: AttentionStep):
         t = x.shape[0]
@@ -123,11 +125,15 @@ class Attention(nn.Module):
             q = (q * (scales * attn_scale + 1.0).view(t, 1, 1)).to(q.dtype)
         # Keys and values go to the cache first: the step's queries read them
         # back through the block table like every earlier token's.
-        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache is None or v_cache is None:
+            raise RuntimeError("Attention.forward: no KV cache bound (the model runner binds "
+                               "one before the first forward)")
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
-        out = step.backend.forward(step.metadata, q, self.k_cache, self.v_cache, self.scale,
+        out = step.backend.forward(step.metadata, q, k_cache, v_cache, self.scale,
                                    kind=step.kind)
         out = self.o_proj(out.reshape(t, -1).to(x.dtype))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out

@@ -21,12 +21,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from chunklocal.backends.base import Kind
 from chunklocal.models.quant_config import Fp8Scheme, parse_quantization_config
+
+if TYPE_CHECKING:
+    from transformers import Llama4TextConfig
 
 MIN_TRANSFORMERS = (4, 57)  # 4.51-4.56's Llama-4 attention is broken or inaccurate
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -56,7 +60,7 @@ def _transformers_major() -> int:
 class CheckpointConfig:
     """What ``config.json`` says, checked: the text config and the serving facts around it."""
 
-    text: object                     # the installed transformers' Llama4TextConfig
+    text: Llama4TextConfig           # the installed transformers' own class
     dtype: torch.dtype | None        # torch_dtype / dtype of the checkpoint
     quant: Fp8Scheme | None          # served FP8 scheme, None when not quantized
     eos_token_ids: frozenset         # config.json's EOS ids (generation_config: see below)
@@ -198,7 +202,7 @@ def read_config(model_dir) -> CheckpointConfig:
                             image if isinstance(image, int) else None, multimodal)
 
 
-def load_text_config(model_dir):
+def load_text_config(model_dir) -> Llama4TextConfig:
     """The Llama-4 text config of a checkpoint directory (text-only or multimodal)."""
     return read_config(model_dir).text
 

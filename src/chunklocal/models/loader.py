@@ -20,6 +20,7 @@ slices, and an expert-parallel rank never reads another rank's experts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
-def _display(tensors) -> callable:
+def _display(tensors) -> Callable[[str], str]:
     """Spell a text-model name the way this checkpoint's files do (for messages)."""
     for tensor in tensors.values():
         if tensor.name.startswith("language_model."):

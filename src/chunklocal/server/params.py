@@ -7,7 +7,12 @@ anything reaches the engine, so a refused request changes no state.
 from __future__ import annotations
 
 from chunklocal.server.limits import ServeLimits
-from chunklocal.server.protocol import APIError, ChatCompletionRequest, _Request
+from chunklocal.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Request,
+)
 
 __all__ = ["ServeLimits", "check_fields", "check_limits", "sampling_kwargs"]
 
@@ -58,7 +63,8 @@ def check_fields(req: _Request) -> None:
                        f"= {req.n})", param="best_of", code="unsupported_field")
 
 
-def check_limits(req: _Request, limits: ServeLimits) -> int | None:
+def check_limits(req: CompletionRequest | ChatCompletionRequest,
+                 limits: ServeLimits) -> int | None:
     """Check n, stop and logprobs against the limits; return the requested top-k logprobs."""
     if not 1 <= req.n <= limits.max_n:
         raise APIError(f"n must be between 1 and {limits.max_n} (--max-n), got {req.n}",

@@ -16,12 +16,11 @@ CUDA graphs (``cuda_graphs=True``), the API the engine uses::
 
     backend.graph_batch_sizes         # captured sizes B (sorted tuple)
     backend.graph_query_lens          # (1,) or (1, verify_len)
-    # per step, outside the graph (host metadata, 3 non-blocking copies):
-    md = backend.build(qsl, seq_lens, block_table, graph_batch_size=B)
-    # or inside the graph (device metadata, no host sync; seq_lens == 0 pads):
-    md = backend.build_on_device(seq_lens_gpu, block_table_gpu, graph_batch_size=B,
-                                 query_len=1)
+    md = backend.capture_step(B, query_len)  # what the graph captures (all padding)
     out = backend.forward(md, q, k_cache, v_cache, scale)   # q: [B * query_len, Hq, D]
+    # per step, before each replay (host metadata, 3 non-blocking copies into the
+    # same persistent buffers md's wrappers alias):
+    backend.build(qsl, seq_lens, block_table, graph_batch_size=B)
 
 For each (B, query_len) there is one decode wrapper (tensor cores, ``use_cuda_graph``)
 whose indptr / last_page_len / indices buffers are slices of the persistent buffers
@@ -45,16 +44,16 @@ window would need a host plan per step.  See docs/gpu.md.
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import numpy as np
 import torch
 
 from chunklocal._validate import as_bool, cdiv, raise_first
-from chunklocal.backends.base import Kind, pick_kind
+from chunklocal.backends.base import EngineLimits, Kind, pick_kind
 from chunklocal.backends.flashinfer.buffers import MetadataBuffers, write_step
 from chunklocal.bounds.sizing import backend_capacities, slot_page_limits
-from chunklocal.kv_spec import chunk_size_of
+from chunklocal.kv_spec import FullAttentionSpec, chunk_size_of, softmax_scale
 from chunklocal.virtual_batches import validate_batch
 
 _WORKSPACE_BYTES = 128 << 20
@@ -77,28 +76,39 @@ class EagerMetadata:
 
 
 class GraphMetadata:
-    """Static per (B, query_len): wrappers aliasing the persistent buffers."""
+    """Static per (B, query_len): wrappers aliasing the persistent buffers.  ``use_first``
+    [B * query_len] picks each row's slot where ``two_slots[kind]`` (chunked verify);
+    an empty tensor where no kind has two slots."""
 
     def __init__(self, batch_size: int, query_len: int, wrappers: dict, two_slots: dict,
-                 use_first: torch.Tensor | None):
+                 use_first: torch.Tensor):
         self.batch_size, self.query_len = batch_size, query_len
         self.wrappers, self.two_slots, self.use_first = wrappers, two_slots, use_first
 
 
 class _KindState:
-    """Buffers and wrappers of one attention kind (chunked or global) of the group."""
+    """Buffers and eager wrappers of one attention kind (chunked or global) of the group."""
 
-    def __init__(self, kind: Kind, chunk_size, capacity, backend, verify_rows: int):
+    def __init__(self, kind: Kind, chunk_size, capacity, backend: FlashInferBackend,
+                 verify_rows: int):
+        import flashinfer
+
         self.chunk_size = chunk_size
         self.buffers = MetadataBuffers(
             capacity, backend.block_size, device=backend.device, cuda_graphs=backend.cuda_graphs,
             name=kind.value, verify_rows=verify_rows)
+        ws = _workspace(backend.device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            ws, "NHD", backend=backend.prefill_backend)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_tensor_cores=True)
 
 
 class FlashInferBackend:
     """FlashInfer attention for one KV group (chunked, global, or merged)."""
 
-    def __init__(self, spec, limits, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, spec: FullAttentionSpec, limits: EngineLimits, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, cuda_graphs: bool = False, *,
                  graph_batch_sizes=None, verify_len: int | None = None,
                  scratch_page: int | None = None, sm_scale: float | None = None,
@@ -112,10 +122,13 @@ class FlashInferBackend:
         if self.block_size != limits.block_size:
             raise ValueError(f"spec block_size {self.block_size} differs from the engine's "
                              f"{limits.block_size}")
+        if (num_kv_heads, head_dim) != (spec.num_kv_heads, spec.head_dim):
+            raise ValueError(f"num_kv_heads {num_kv_heads} / head_dim {head_dim} differ from "
+                             f"the spec's {spec.num_kv_heads} / {spec.head_dim}")
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of "
                              f"num_kv_heads {num_kv_heads}")
-        self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.sm_scale = float(sm_scale) if sm_scale is not None else softmax_scale(head_dim)
         self.cuda_graphs = as_bool(cuda_graphs, "cuda_graphs")
         self.prefill_backend = prefill_backend
         self.chunk_size = chunk_size_of(spec)
@@ -134,23 +147,12 @@ class FlashInferBackend:
         self._kinds = {kind: _KindState(kind, self.chunk_size if kind is Kind.CHUNKED else None,
                                         capacity, self, sizes.verify_rows)
                        for kind, capacity in sizes.capacities.items()}
-        self._make_eager_wrappers()
         self._graphs = {(b, q): self._make_graph(b, q)
                         for b in self.graph_batch_sizes for q in self.graph_query_lens}
 
     # -------------------------------------------------------------- wrappers
     def _plan_kwargs(self):
         return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
-
-    def _make_eager_wrappers(self):
-        import flashinfer
-
-        for state in self._kinds.values():
-            ws = _workspace(self.device)
-            state.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                ws, "NHD", backend=self.prefill_backend)
-            state.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                ws, "NHD", use_tensor_cores=True)
 
     def _make_graph(self, batch_size: int, query_len: int) -> GraphMetadata:
         import flashinfer
@@ -178,7 +180,7 @@ class FlashInferBackend:
                          q_len_per_req=query_len, disable_split_kv=query_len > 1,
                          non_blocking=False, **self._plan_kwargs())
             wrappers[kind] = wrapper
-        use_first = None
+        use_first = torch.zeros(0, dtype=torch.bool, device=self.device)
         if two.get(Kind.CHUNKED):
             use_first = self._kinds[Kind.CHUNKED].buffers.verify_use_first[
                 : batch_size * query_len]
@@ -195,8 +197,12 @@ class FlashInferBackend:
         if qsl.size and qsl[0] != 0:
             raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
         if graph_batch_size is not None:
-            return self._build_graph(seq_lens, block_table, query_lens, graph_batch_size)
-        wrappers = {}
+            query_len = int(query_lens[0]) if query_lens.size else 1
+            raise_first(query_lens != query_len, lambda i: (
+                f"request {i}: a graph step needs equal query lengths, got "
+                f"{int(query_lens[i])} and {query_len}"))
+            return self._build_graph(seq_lens, block_table, query_len, graph_batch_size)
+        wrappers: dict[Kind, Any] = {}
         decode_only = bool(query_lens.size) and bool((query_lens == 1).all())
         for kind, state in self._kinds.items():
             step = write_step(state.buffers, qsl, seq_lens, block_table, query_lens,
@@ -227,19 +233,22 @@ class FlashInferBackend:
                              f"query lengths {self.graph_query_lens}")
         return graph
 
-    def _build_graph(self, seq_lens, block_table, query_lens, batch_size):
+    def capture_step(self, batch_size: int, query_len: int) -> GraphMetadata:
+        """The (B, q) graph's metadata with every request padding (scratch page only)."""
+        if not self.cuda_graphs:
+            raise ValueError("capture_step needs a backend built with cuda_graphs=True")
+        return self._build_graph(np.zeros(0, np.int64), np.zeros((0, 1), np.int32), query_len,
+                                 batch_size)
+
+    def _build_graph(self, seq_lens, block_table, query_len: int, batch_size: int):
         num_reqs = seq_lens.shape[0]
-        query_len = int(query_lens[0]) if num_reqs else 1
-        raise_first(query_lens != query_len, lambda i: (
-            f"request {i}: a graph step needs equal query lengths, got "
-            f"{int(query_lens[i])} and {query_len}"))
         if num_reqs > batch_size:
             raise ValueError(f"{num_reqs} requests do not fit graph batch size {batch_size}")
         graph = self._graph(batch_size, query_len)
         padded_seq_lens = np.zeros(batch_size, np.int64)
         padded_seq_lens[:num_reqs] = seq_lens
-        padded_table = np.zeros((batch_size, block_table.shape[1]), np.int32)
-        padded_table[:num_reqs] = block_table
+        padded_table = np.zeros((batch_size, max(block_table.shape[1], 1)), np.int32)
+        padded_table[:num_reqs, :block_table.shape[1]] = block_table
         for kind, state in self._kinds.items():
             step, mask = state.buffers.write_graph_step(
                 padded_seq_lens, padded_table, query_len, state.chunk_size,
@@ -247,23 +256,6 @@ class FlashInferBackend:
             state.buffers.copy_to_device(step)
             if mask is not None:
                 graph.use_first.copy_(torch.from_numpy(mask), non_blocking=True)
-        return graph
-
-    def build_on_device(self, seq_lens: torch.Tensor, block_table: torch.Tensor, *,
-                        graph_batch_size: int, query_len: int = 1) -> GraphMetadata:
-        """Device-side metadata for a padded graph step: capturable, no host sync.
-
-        ``seq_lens`` [B] int32 (0 for padding requests), ``block_table`` [B, W] int32,
-        both on the backend's device.
-        """
-        graph = self._graph(graph_batch_size, query_len)
-        if seq_lens.shape != (graph_batch_size,) or block_table.shape[0] != graph_batch_size:
-            raise ValueError(f"seq_lens {tuple(seq_lens.shape)} / block_table "
-                             f"{tuple(block_table.shape)} must have {graph_batch_size} rows")
-        for kind, state in self._kinds.items():
-            state.buffers.write_graph_step_device(
-                seq_lens, block_table, query_len, state.chunk_size, graph.two_slots[kind],
-                self.scratch_page, self.limits.max_model_len)
         return graph
 
     # -------------------------------------------------------------- forward

@@ -14,13 +14,10 @@ A step is described by *slots* (attention problems): ``kv_lens[m]`` keys read fr
 marks a padding slot, which reads one key of the reserved scratch page and no real
 KV.  The host path (:meth:`MetadataBuffers.write_host`) fills the mirrors with numpy
 (``np.cumsum(..., out=mirror_slice)``); :meth:`MetadataBuffers.copy_to_device` then
-makes one non-blocking copy per buffer.  The device path
-(:meth:`MetadataBuffers.write_device`) computes the same arrays with torch ops of
-fixed shape straight into the device buffers: no host sync, so it can be captured
-in a CUDA graph.
+makes one non-blocking copy per buffer.
 
-This module holds the buffers, the device path and the padded CUDA-graph steps
-(:meth:`MetadataBuffers.write_graph_step`, ``write_graph_step_device``).  Their sizes
+This module holds the buffers and the padded CUDA-graph steps
+(:meth:`MetadataBuffers.write_graph_step`).  Their sizes
 come from :mod:`chunklocal.bounds.sizing`, the host write paths from
 :mod:`.host_writes`, the slot layouts from :mod:`.graph_layout`.
 """
@@ -35,7 +32,7 @@ import torch
 from chunklocal._validate import as_bool
 from chunklocal.backends.flashinfer.graph_layout import graph_slots, verify_use_first
 from chunklocal.backends.flashinfer.host_writes import HostStep, HostWrites
-from chunklocal.bounds.sizing import Capacity, slot_page_limits
+from chunklocal.bounds.sizing import Capacity
 from chunklocal.virtual_batches import split_batch
 
 __all__ = ["BUFFER_NAMES", "CapacityError", "HostStep", "MetadataBuffers", "write_step"]
@@ -123,55 +120,6 @@ class MetadataBuffers(HostWrites):
         if two_slots:
             mask = verify_use_first(seq_lens, query_len, chunk_size).reshape(-1)
         return step, mask
-
-    def write_graph_step_device(self, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                                query_len: int, chunk_size: int | None, two_slots: bool,
-                                scratch_page: int, model_len: int) -> None:
-        """Padded graph step on the device (capturable); also fills verify_use_first."""
-        limits = slot_page_limits(chunk_size, query_len, model_len, self.block_size)
-        kv, first, rows = graph_slots(seq_lens, query_len, chunk_size, self.block_size,
-                                      two_slots)
-        self.write_device(kv, first, rows, block_table, seq_lens.shape[0] * sum(limits),
-                          scratch_page)
-        if two_slots:
-            mask = verify_use_first(seq_lens, query_len, chunk_size).reshape(-1)
-            self.verify_use_first[: mask.shape[0]].copy_(mask)
-
-    # ---------------------------------------------------------------- device
-    def write_device(self, kv_lens: torch.Tensor, first_page: torch.Tensor,
-                     rows: torch.Tensor, block_table: torch.Tensor, num_pages_reserved: int,
-                     scratch_page: int = 0) -> None:
-        """Fill paged_kv_indptr/last_page_len/indices for ``len(kv_lens)`` slots on device.
-
-        Fixed shapes only (``num_pages_reserved`` index entries are written, those
-        past the last real page point at the scratch page), no ``.item()``: safe to
-        capture in a CUDA graph.  ``torch.cumsum(out=...)`` writes straight into a
-        slice of the persistent indptr buffer.
-        """
-        num_slots = kv_lens.shape[0]
-        if num_slots + 1 > self.gpu["paged_kv_indptr"].shape[0]:
-            raise CapacityError(f"{self.name}.paged_kv_indptr",
-                                self.gpu["paged_kv_indptr"].shape[0], num_slots + 1)
-        if num_pages_reserved > self.gpu["paged_kv_indices"].shape[0]:
-            raise CapacityError(f"{self.name}.paged_kv_indices",
-                                self.gpu["paged_kv_indices"].shape[0], num_pages_reserved)
-        padding = rows < 0
-        kv = torch.where(padding, torch.ones_like(kv_lens), kv_lens).clamp_(min=1)
-        pages = (kv + self.block_size - 1) // self.block_size
-        indptr = self.gpu["paged_kv_indptr"]
-        indptr[:1].zero_()
-        torch.cumsum(pages, 0, dtype=torch.int32, out=indptr[1:num_slots + 1])
-        self.gpu["paged_kv_last_page_len"][:num_slots].copy_(kv - (pages - 1) * self.block_size)
-        entry = torch.arange(num_pages_reserved, device=kv.device, dtype=torch.int32)
-        slot = torch.searchsorted(indptr[1:num_slots + 1], entry, right=True)
-        slot.clamp_(max=num_slots - 1)
-        column = first_page[slot] + entry - indptr[slot]
-        column.clamp_(min=0, max=max(block_table.shape[1] - 1, 0))
-        row = rows.clamp(min=0)[slot]
-        real = (entry < indptr[num_slots]) & ~padding[slot]
-        value = block_table[row.long(), column.long()].to(torch.int32)
-        self.gpu["paged_kv_indices"][:num_pages_reserved].copy_(
-            torch.where(real, value, torch.full_like(value, scratch_page)))
 
 
 # ------------------------------------------------------------- whole steps

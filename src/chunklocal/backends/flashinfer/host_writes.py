@@ -60,6 +60,14 @@ class HostStep:
 class HostWrites:
     """Host writes of :class:`.buffers.MetadataBuffers` (see module doc)."""
 
+    # Provided by the subclass (MetadataBuffers): all that the writes read of it.
+    name: str
+    block_size: int
+
+    def ensure_capacity(self, num_batches: int, num_pages: int = 0) -> None:
+        """Make room for a step of ``num_batches`` slots and ``num_pages`` pages."""
+        raise NotImplementedError
+
     def _allocate_mirrors(self, lengths: dict[str, int], pin: bool) -> None:
         """Two pinned mirror sets of int32 buffers of ``lengths`` entries, and their caches.
 

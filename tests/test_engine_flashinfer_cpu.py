@@ -1,0 +1,140 @@
+"""The engine's FlashInfer path on the CPU, through the real ``build_runner``.
+
+``StandinLLM`` is ``chunklocal.LLM`` with two class attributes widened, nothing patched:
+the FlashInfer backend may run on the CPU, where the strict stand-in of FlashInfer 0.7.2
+(tests/flashinfer_standin.py: its exact signatures, plan()/run() contract and CUDA-graph
+buffer aliasing, with the reference's math) takes the library's place; and CUDA graphs
+are recorded by :class:`ReplayRecorder`, which keeps the captured closure and re-runs it
+on replay.  A closure reads the static inputs and the persistent metadata buffers at
+replay time, as a real graph reads device memory, so layout choice, the backends' own
+capture steps, padding rows, scratch pages and the buffers refreshed before each replay
+all run as on the GPU; only the kernels and the capture itself are the stand-in's.
+
+Tokens are compared with the torch reference backend on the same engine flags.
+"""
+
+from __future__ import annotations
+
+import random
+
+import flashinfer_standin
+import pytest
+import torch
+from llama4_tiny import hf_greedy, write_tiny_llama4
+
+import chunklocal
+from chunklocal.backends.factory import BACKEND_DEVICES
+
+
+class ReplayedForward:
+    def __init__(self, forward, output):
+        self.forward, self.output = forward, output
+
+    def replay(self):
+        self.output.copy_(self.forward())
+
+
+class ReplayRecorder:
+    """engine/cuda_graphs.py's GraphRecorder on the CPU: capture keeps the closure."""
+
+    def __init__(self):
+        self.recorded = 0
+
+    def new_pool(self):
+        return None
+
+    def record(self, forward, pool):
+        self.recorded += 1
+        output = forward()
+        return ReplayedForward(forward, output), output
+
+
+class StandinLLM(chunklocal.LLM):
+    backend_devices = {**BACKEND_DEVICES, "flashinfer": ("cpu", "cuda")}
+    graph_recorder = ReplayRecorder()
+
+
+@pytest.fixture(autouse=True)
+def standin(monkeypatch):
+    flashinfer_standin.install(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama4_fi_cpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield path, write_tiny_llama4(path, seed=4, attention_chunk_size=16)
+    torch.set_num_threads(before)
+
+
+def motif_prompts(seed, lengths=(9, 17, 30, 45, 5)):
+    """Repeated motifs, so prompt-lookup drafts get accepted."""
+    rng = random.Random(seed)
+    prompts = []
+    for n in lengths:
+        motif = [rng.randrange(512) for _ in range(5)]
+        prompts.append((motif * 10)[:n])
+    return prompts
+
+
+ENGINE = dict(max_num_seqs=5, max_num_batched_tokens=48, max_model_len=96,
+              dtype=torch.float32)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "merged"])
+def test_flashinfer_path_equals_the_torch_backend(ckpt, hybrid, k, graphs):
+    path, hf = ckpt
+    prompts = motif_prompts(k)
+    kw = dict(ENGINE, num_speculative_tokens=k, hybrid_kv_cache=hybrid)
+    llm = StandinLLM(path, attention_backend="flashinfer", cuda_graphs=graphs, **kw)
+    assert type(llm.runner.backends[0]).__name__ == "FlashInferBackend"
+    ref = chunklocal.LLM(path, attention_backend="torch", **kw)
+    outputs = llm.generate(prompts, max_new_tokens=20)
+    assert outputs == ref.generate(prompts, max_new_tokens=20)
+    assert outputs == [hf_greedy(hf, p, 20) for p in prompts]
+    if not graphs:
+        assert llm.runner.graphs is None and llm.runner.graph_steps == 0
+        return
+    replays = llm.runner.graphs.replays
+    used = {layout for layout, count in replays.items() if count}
+    assert any(q == k + 1 for _, q in used), used  # decode (k = 0) or verify windows
+    assert any(b > 1 for b, _ in used), used
+    assert llm.runner.graphs.padding_rows > 0  # 3 live requests replay B = 4: padded
+    if k:
+        assert llm.last_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("block_size, k", [(2, 3), (4, 4)])
+def test_graphs_with_a_verify_window_longer_than_a_page(ckpt, block_size, k):
+    """k + 1 > block_size: each backend captures over its own all-padding step (the
+    1 x 1 dummy table of before refused these captures at construction)."""
+    path, _ = ckpt
+    kw = dict(ENGINE, num_speculative_tokens=k, block_size=block_size)
+    llm = StandinLLM(path, attention_backend="flashinfer", **kw)
+    assert (5, k + 1) in llm.runner.graphs.graphs  # B = max_num_seqs = 5
+    prompts = motif_prompts(7)
+    ref = chunklocal.LLM(path, attention_backend="torch", **kw)
+    assert llm.generate(prompts, max_new_tokens=12) == ref.generate(prompts, max_new_tokens=12)
+    assert any(q == k + 1 and n for (_, q), n in llm.runner.graphs.replays.items())
+
+
+def test_two_ranks_over_gloo_with_graphs(ckpt):
+    """Tensor parallelism: every (forked) rank builds FlashInfer backends and captures its
+    graphs through build_runner; tokens equal the one-rank torch backend's."""
+    path, _ = ckpt
+    prompts = motif_prompts(3)
+    ref = chunklocal.LLM(path, attention_backend="torch", **ENGINE)
+    with StandinLLM(path, attention_backend="flashinfer", tensor_parallel_size=2,
+                    **ENGINE) as llm:
+        assert llm.generate(prompts, max_new_tokens=12) == \
+            ref.generate(prompts, max_new_tokens=12)
+        assert llm.runner.graph_steps > 0
+
+
+def test_flashinfer_on_the_cpu_is_refused_without_the_widened_devices(ckpt):
+    path, _ = ckpt
+    with pytest.raises(ValueError, match="attention_backend='flashinfer' needs a CUDA device"):
+        chunklocal.LLM(path, attention_backend="flashinfer", **ENGINE)
