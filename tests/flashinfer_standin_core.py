@@ -80,6 +80,14 @@ def canonical_dtype(dtype, name: str) -> torch.dtype:
     return dtype
 
 
+def plan_dtypes(q_data_type, kv_data_type, o_data_type):
+    """(q, kv, o) dtypes of a plan: kv and o default to q's, as in FlashInfer."""
+    q = canonical_dtype(q_data_type, "q_data_type")
+    kv = q if kv_data_type is None else canonical_dtype(kv_data_type, "kv_data_type")
+    o = q if o_data_type is None else canonical_dtype(o_data_type, "o_data_type")
+    return q, kv, o
+
+
 def check_geometry(num_qo_heads, num_kv_heads, head_dim, page_size) -> None:
     for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("page_size", page_size)):

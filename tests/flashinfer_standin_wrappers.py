@@ -83,11 +83,7 @@ class BatchPrefillWithPagedKVCacheWrapper(core.PagedWrapper):
             core.refuse(logits_soft_cap=(logits_soft_cap, None))
         core.check_bool("causal", causal)
         sm_scale = core.check_scalar("sm_scale", sm_scale)
-        q_dtype = core.canonical_dtype(q_data_type, "q_data_type")
-        kv_dtype = q_dtype if kv_data_type is None else core.canonical_dtype(kv_data_type,
-                                                                             "kv_data_type")
-        o_dtype = q_dtype if o_data_type is None else core.canonical_dtype(o_data_type,
-                                                                          "o_data_type")
+        q_dtype, kv_dtype, o_dtype = core.plan_dtypes(q_data_type, kv_data_type, o_data_type)
         qo = core.int32_vector("qo_indptr", qo_indptr)
         indptr = core.int32_vector("paged_kv_indptr", paged_kv_indptr)
         indices = core.int32_vector("paged_kv_indices", paged_kv_indices)
@@ -223,11 +219,7 @@ class BatchDecodeWithPagedKVCacheWrapper(core.PagedWrapper):
         if data_type is not None:
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
-        q_dtype = core.canonical_dtype(q_data_type, "q_data_type")
-        kv_dtype = q_dtype if kv_data_type is None else core.canonical_dtype(kv_data_type,
-                                                                             "kv_data_type")
-        o_dtype = q_dtype if o_data_type is None else core.canonical_dtype(o_data_type,
-                                                                          "o_data_type")
+        q_dtype, kv_dtype, o_dtype = core.plan_dtypes(q_data_type, kv_data_type, o_data_type)
         sm_scale = core.check_scalar("sm_scale", sm_scale)
         if isinstance(q_len_per_req, bool) or not isinstance(q_len_per_req, int):
             raise TypeError(f"q_len_per_req must be an int, got {q_len_per_req!r}")
