@@ -27,17 +27,84 @@ def generate(llm, prompts, sampling_params, max_new_tokens, temperature, ignore_
              use_tqdm):
     if use_tqdm is not None:
         use_tqdm = as_bool(use_tqdm, "use_tqdm")
+    if isinstance(prompts, str):  # one prompt, as vLLM takes it
+        prompts = [prompts]
     if isinstance(sampling_params, int) and not isinstance(sampling_params, bool):
         max_new_tokens, sampling_params = sampling_params, None  # old positional form
-    if sampling_params is None:
+    legacy = (max_new_tokens, temperature, ignore_eos) != (None, None, None)
+    if sampling_params is None and legacy:
         return _generate_tokens(llm, prompts, 16 if max_new_tokens is None else max_new_tokens,
                                 0.0 if temperature is None else temperature,
                                 ignore_eos is not None and as_bool(ignore_eos, "ignore_eos"),
                                 use_tqdm)
-    if (max_new_tokens, temperature, ignore_eos) != (None, None, None):
+    if legacy:
         raise ValueError("pass max_new_tokens / temperature / ignore_eos inside the "
                          "SamplingParams, not beside it")
     token_lists, as_text = llm._check_prompts(prompts, 1, room_for_new_tokens=False)
+    texts = prompts if as_text else [None] * len(token_lists)
+    return _request_outputs(llm, token_lists, texts, sampling_params, use_tqdm, "generate")
+
+
+def chat(llm, messages, sampling_params, use_tqdm, chat_template, add_generation_prompt,
+         continue_final_message, chat_template_kwargs, tools):
+    """``LLM.chat``: each conversation rendered by the tokenizer's chat template (or
+    ``chat_template``) to text, tokenized without special tokens (the template holds BOS:
+    one BOS, never two), then generated like ``generate(ids, sampling_params)``."""
+    if use_tqdm is not None:
+        use_tqdm = as_bool(use_tqdm, "use_tqdm")
+    conversations = _conversations(messages)
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict or None, got "
+                         f"{chat_template_kwargs!r}")
+    flags = (as_bool(add_generation_prompt, "add_generation_prompt"),
+             as_bool(continue_final_message, "continue_final_message"))
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ValueError(f"chat_template must be a Jinja template string or None, got "
+                         f"{chat_template!r}")
+    try:
+        tokenizer = llm.tokenizer
+    except ValueError as err:
+        raise ValueError(f"chat needs a tokenizer: {err}") from err
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{llm.model_dir}'s tokenizer has no chat template: pass "
+                         "chat_template=, or use generate()")
+    texts = []
+    for i, conversation in enumerate(conversations):
+        try:
+            texts.append(tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=flags[0],
+                continue_final_message=flags[1], chat_template=chat_template, tools=tools,
+                **(chat_template_kwargs or {})))
+        except Exception as err:  # jinja2's TemplateError, transformers' ValueError, ...
+            raise ValueError(f"conversation {i}: the chat template failed: "
+                             f"{type(err).__name__}: {err}") from err
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    token_lists, _ = llm._check_prompts(ids, 1, room_for_new_tokens=False)
+    return _request_outputs(llm, token_lists, texts, sampling_params, use_tqdm, "chat")
+
+
+def _conversations(messages) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or a list of them, as a list of them."""
+    shape = ("messages must be a conversation (a list of {'role': ..., 'content': ...} "
+             "dicts) or a list of conversations")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"{shape}, got {messages!r}")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    for i, conversation in enumerate(conversations):
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise ValueError(f"{shape}; conversation {i} is {conversation!r}")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"{shape}; conversation {i}, message {j} is {message!r} "
+                                 "(a dict with a 'role' string)")
+    return [list(c) for c in conversations]
+
+
+def _request_outputs(llm, token_lists, texts, sampling_params, use_tqdm, what):
+    """A RequestOutput per checked prompt; ``sampling_params`` None: SamplingParams()
+    (max_tokens 16), with the generation config's defaults, as vLLM's."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params] * len(token_lists)
     if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != len(
@@ -45,12 +112,11 @@ def generate(llm, prompts, sampling_params, max_new_tokens, temperature, ignore_
         raise ValueError(f"sampling_params must be one SamplingParams or a list of "
                          f"{len(token_lists)} (one per prompt)")
     core, call = llm.core, next(_call_ids)
-    texts = prompts if as_text else [None] * len(token_lists)
     requests = []
     for i, (ids, params, text) in enumerate(zip(token_lists, sampling_params, texts,
                                                 strict=True)):
         try:
-            requests.append(core.make_request(ids, params, f"generate-{call}-{i}", text))
+            requests.append(core.make_request(ids, params, f"{what}-{call}-{i}", text))
         except ValueError as err:
             raise ValueError(f"prompt {i}: {err}") from None
     _wait(llm, requests, use_tqdm)

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from pathlib import Path
 
 import torch
 
-from chunklocal._validate import as_bool, as_int, cdiv, check_chunk_geometry
+from chunklocal._validate import cdiv, check_chunk_geometry
 from chunklocal.backends.base import EngineLimits, Kind
 from chunklocal.backends.factory import BACKEND_DEVICES, resolve_backend
 from chunklocal.bounds.closed_forms import max_virtual_batches
 from chunklocal.engine.block_manager import BlockManager, KVGroup, available_memory
-from chunklocal.engine.requests import check_device, check_prompts, load_tokenizer, torch_dtype
+from chunklocal.engine.llm_args import check_arguments, check_model, default_sampling
+from chunklocal.engine.requests import check_prompts, load_tokenizer
 from chunklocal.engine.runner_setup import RunnerSetup, build_runner
-from chunklocal.engine.sampling import generation_config_defaults
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.stats import GenerateStats
 from chunklocal.engine.workers import OwnsWorkers, start_workers
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 from chunklocal.models.llama4_config import generation_eos, layer_kind, read_config
-from chunklocal.models.loader import LOAD_FORMATS, load_model, plan_load
+from chunklocal.models.loader import load_model, plan_load
 from chunklocal.models.parallel import TPGroup
 from chunklocal.models.sharding import check_tensor_parallel, kv_head_split
 
@@ -85,16 +84,19 @@ class LLM(OwnsWorkers):
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto",
                  generation_config="auto", max_waiting_requests=None,
                  async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp"):
-        self.model_dir = Path(model)
-        if not (self.model_dir / "config.json").is_file():
-            raise ValueError(f"model must be a checkpoint directory with config.json and "
-                             f"*.safetensors; {str(model)!r} has no config.json")
-        dtype = torch_dtype(dtype)
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-        self.device = check_device(device)
-        cuda_graphs, hybrid_kv_cache = (as_bool(cuda_graphs, "cuda_graphs"),
-                                        as_bool(hybrid_kv_cache, "hybrid_kv_cache"))
+        self.model_dir = check_model(model)
+        args = check_arguments(
+            device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            block_size=block_size, num_kv_blocks=num_kv_blocks,
+            attention_backend=attention_backend, cuda_graphs=cuda_graphs,
+            hybrid_kv_cache=hybrid_kv_cache, num_speculative_tokens=num_speculative_tokens,
+            seed=seed, load_format=load_format, generation_config=generation_config,
+            max_waiting_requests=max_waiting_requests, async_scheduling=async_scheduling,
+            tensor_parallel_size=tensor_parallel_size, moe_parallel=moe_parallel)
+        dtype, self.device, seed = args["dtype"], args["device"], args["seed"]
+        cuda_graphs, hybrid_kv_cache = args["cuda_graphs"], args["hybrid_kv_cache"]
+        max_model_len, num_kv_blocks = args["max_model_len"], args["num_kv_blocks"]
         ckpt = read_config(self.model_dir)
         config = self.config = ckpt.text
         n = self.tensor_parallel_size = check_tensor_parallel(config, tensor_parallel_size,
@@ -105,41 +107,16 @@ class LLM(OwnsWorkers):
             self.device = torch.device("cuda", torch.cuda.current_device())
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
-        elif as_int(max_model_len, "max_model_len") > config.max_position_embeddings:
+        elif max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the config's "
                              f"max_position_embeddings {config.max_position_embeddings}")
-        # Exact integers only: 2.5 requests per step is a mistake, not 2.
-        for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
-            if as_int(value, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
-        if as_int(num_speculative_tokens, "num_speculative_tokens") < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-        if num_kv_blocks is not None and as_int(num_kv_blocks, "num_kv_blocks") <= 0:
-            raise ValueError(f"num_kv_blocks must be positive, got {num_kv_blocks!r}")
-        seed = as_int(seed, "seed")
-        if max_waiting_requests is not None and as_int(max_waiting_requests,
-                                                       "max_waiting_requests") <= 0:
-            raise ValueError(f"max_waiting_requests must be positive or None, got "
-                             f"{max_waiting_requests!r}")
-        self.max_waiting_requests = max_waiting_requests
-        self.async_scheduling = as_bool(async_scheduling, "async_scheduling")
+        self.max_waiting_requests = args["max_waiting_requests"]
+        self.async_scheduling = args["async_scheduling"]
         if self.async_scheduling and n > 1:
             raise ValueError(f"async_scheduling is not supported with tensor_parallel_size "
                              f"{n} > 1 (the ranks run one step at a time): pass "
                              f"async_scheduling=False")
-        if generation_config == "auto":
-            # dummy weights read nothing but config.json
-            self.default_sampling = ({} if load_format == "dummy"
-                                     else generation_config_defaults(self.model_dir))
-        elif generation_config in ("none", "vllm", None):
-            self.default_sampling = {}
-        elif Path(generation_config).is_dir():
-            self.default_sampling = generation_config_defaults(generation_config)
-        else:
-            raise ValueError(f"generation_config must be 'auto', 'none' or a directory, got "
-                             f"{generation_config!r}")
+        self.default_sampling = default_sampling(generation_config, self.model_dir, load_format)
         self.max_model_len = int(max_model_len)
         chunk = config.attention_chunk_size
         if chunk is not None:
@@ -314,11 +291,13 @@ class LLM(OwnsWorkers):
     def generate(self, prompts, sampling_params=None, *, max_new_tokens: int | None = None,
                  temperature: float | None = None, ignore_eos: bool | None = None,
                  use_tqdm: bool | None = None):
-        """Two forms.  ``generate(prompts, max_new_tokens=16, temperature=0.0,
-        ignore_eos=False)`` returns new token ids per prompt (strings for string
+        """vLLM's form: ``generate(prompts, sampling_params=None)`` (one prompt string, or
+        a list of strings or of token-id lists; one ``SamplingParams`` or one per prompt,
+        None: ``SamplingParams()``, max_tokens 16, with the generation config's defaults)
+        returns a ``RequestOutput`` per prompt, in order.  The legacy form
+        ``generate(prompts, max_new_tokens=16, temperature=0.0, ignore_eos=False)`` (any
+        of the three given) returns new token ids per prompt (strings for string
         prompts), greedy unless asked; generation_config.json does not apply.
-        ``generate(prompts, sampling_params)`` (one ``SamplingParams`` or one per
-        prompt) returns a ``RequestOutput`` per prompt, in order.
 
         Every prompt is checked before any work starts; a bad one raises
         ValueError naming its index and value.  ``use_tqdm=None`` shows the
@@ -328,6 +307,24 @@ class LLM(OwnsWorkers):
 
         return client.generate(self, prompts, sampling_params, max_new_tokens, temperature,
                                ignore_eos, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list | None = None):
+        """vLLM's ``LLM.chat``: one conversation (a list of {"role", "content"} dicts) or
+        a list of them, each rendered by the tokenizer's chat template (or
+        ``chat_template``) and generated as ``generate``; a ``RequestOutput`` each, whose
+        ``prompt`` is the rendered text."""
+        from chunklocal.engine import client
+
+        return client.chat(self, messages, sampling_params, use_tqdm, chat_template,
+                           add_generation_prompt, continue_final_message,
+                           chat_template_kwargs, tools)
+
+    def get_tokenizer(self):
+        """The checkpoint's tokenizer (as vLLM's ``LLM.get_tokenizer()``)."""
+        return self.tokenizer
 
     def prompt_logits(self, prompts, last_only: bool = False) -> list[torch.Tensor]:
         """float32 logits [prompt_len, vocab] (or [1, vocab]) per prompt, from a normal

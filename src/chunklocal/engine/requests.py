@@ -7,6 +7,7 @@ prompts of the call are not disturbed.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import torch
 from chunklocal._validate import as_int
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "config.json")
 
 _DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -59,7 +62,26 @@ def load_tokenizer(model_dir: Path):
     if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{model_dir} has no tokenizer (none of "
                          f"{', '.join(TOKENIZER_FILES)}); pass token ids")
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as err:  # JSONDecodeError, tokenizers' Exception, OSError, ...
+        # Name the file: transformers' message often names none ("Expecting value: ...").
+        culprit = next((path for path in (Path(model_dir) / n for n in _JSON_FILES)
+                        if path.is_file() and not _is_json(path)), None)
+        main = Path(model_dir) / "tokenizer.json"
+        where = (f"{culprit} is not valid JSON" if culprit else
+                 f"{main} does not load as a tokenizer" if main.is_file() else
+                 f"the tokenizer files in {model_dir} do not load")
+        raise ValueError(f"{where} ({type(err).__name__}: {err}); fix or remove the file, or "
+                         "pass token ids") from err
+
+
+def _is_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def check_temperature(temperature) -> None:

@@ -8,7 +8,9 @@ with ``load_format="dummy"``, config.json only) and checks them (models/checkpoi
 ``load_format``: "auto" / "safetensors" read the checkpoint; "dummy" makes random
 weights of the config's shapes and dtypes (FP8 ones for an FP8 config) on the device
 from ``seed``, reading nothing but config.json: the same seed gives the same weights.
-On every device FP8 weights stay FP8 (models/quant.py runs them).
+On every device FP8 weights stay FP8 (models/quant.py runs them).  Read weights are
+checked for NaN / Inf as they load (:class:`FiniteCheck`: one device reduction per
+tensor, one host sync at the end); dummy ones are not.
 
 Tensor parallel (``tp``): routes are checked against the full model (the checkpoint's
 shapes), and each rank's model holds its slices (models/parallel.py); each route's
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from chunklocal.models.checkpoint import (
+    Tensor,
     check_routes,
     fp8_plan_from_config,
     fp8_plan_from_tensors,
@@ -102,6 +105,41 @@ def plan_load(model_dir, ckpt: CheckpointConfig, load_format: str = "auto",
     return LoadPlan(ckpt, fp8, model, routes, full_shapes)
 
 
+class FiniteCheck:
+    """NaN / Inf in a checkpoint, found as its tensors load: one reduction per loaded
+    piece, left on the device (no host sync per tensor); :meth:`check` syncs once and
+    names the first tensor holding one."""
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+        self.flags: list[torch.Tensor] = []
+
+    def add(self, tensor: Tensor, loaded: torch.Tensor) -> None:
+        if loaded.numel():
+            self.tensors.append(tensor)
+            self.flags.append(all_finite(loaded))
+
+    def check(self) -> None:
+        if not self.flags:
+            return
+        ok = torch.stack(self.flags)
+        if bool(ok.all()):
+            return
+        bad = self.tensors[int((~ok).nonzero()[0, 0])]
+        raise ValueError(f"tensor {bad.name} in {bad.file.name} holds NaN or Inf values: the "
+                         "checkpoint is corrupt (a model with them generates garbage)")
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool on ``t``'s device: no NaN or Inf in ``t`` (min and max in one pass;
+    NaN propagates to both, no temporary the size of ``t``).  float8_e4m3fn has no Inf,
+    and its NaNs are the bytes 0x7F (the int8 maximum) and 0xFF (the uint8 maximum)."""
+    if t.dtype == FP8:
+        return (t.view(torch.int8).amax() != 127) & (t.view(torch.uint8).amax() != 255)
+    lo, hi = torch.aminmax(t)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
 def _materialize(model: nn.Module, device, dtype) -> None:
     """Empty parameters on ``device``: FP8 weights stay FP8, scales float32, the rest
     ``dtype``."""
@@ -117,7 +155,7 @@ def _materialize(model: nn.Module, device, dtype) -> None:
                     module._parameters else t
 
 
-def _fill_slices(model: nn.Module, routes, full_shapes: dict) -> None:
+def _fill_slices(model: nn.Module, routes, full_shapes: dict, finite: FiniteCheck) -> None:
     """Tensor parallel: copy each route's piece into this rank's slice of its weight."""
     params, rules = weights(model), shard_rules(model)
     for name, rule in rules.items():  # biases summed over ranks: rank 0's alone
@@ -139,6 +177,7 @@ def _fill_slices(model: nn.Module, routes, full_shapes: dict) -> None:
                         src = rows[e].transpose(-2, -1) if pieces else None
                         for sel, at in pieces:
                             dst[at].copy_(src[sel])
+                            finite.add(tensor, dst[at])
                     continue
                 pieces = local_pieces(rule, full, r.index)
                 if pieces:
@@ -146,6 +185,7 @@ def _fill_slices(model: nn.Module, routes, full_shapes: dict) -> None:
                     src = f.get_tensor(tensor.name).reshape(region)
                     for sel, at in pieces:
                         dst[at].copy_(src[sel])
+                        finite.add(tensor, dst[at])
 
 
 def _by_file(routes) -> dict:
@@ -155,7 +195,7 @@ def _by_file(routes) -> dict:
     return by_file
 
 
-def _fill_from_files(model: nn.Module, routes) -> None:
+def _fill_from_files(model: nn.Module, routes, finite: FiniteCheck) -> None:
     params = weights(model)
     by_file: dict[Path, list] = {}
     for tensor, r in routes:
@@ -170,6 +210,7 @@ def _fill_from_files(model: nn.Module, routes) -> None:
                         dst[e].copy_(rows[e].transpose(-2, -1))
                 else:
                     dst.copy_(f.get_tensor(tensor.name).reshape(dst.shape))
+                finite.add(tensor, dst)
 
 
 def _fill_dummy(model: nn.Module, seed: int, device) -> None:
@@ -198,12 +239,14 @@ def load_model(plan: LoadPlan, device="cpu", dtype=torch.float32, seed: int = 0)
     """Make the planned model's parameters on ``device`` and fill them (eval mode)."""
     model, device = plan.model, torch.device(device)
     _materialize(model, device, dtype)
-    if plan.routes is None:
+    finite = FiniteCheck()
+    if plan.routes is None:  # random weights: finite by construction, not checked
         _fill_dummy(model, seed, device)
     elif plan.full_shapes is not None:
-        _fill_slices(model, plan.routes, plan.full_shapes)
+        _fill_slices(model, plan.routes, plan.full_shapes, finite)
     else:
-        _fill_from_files(model, plan.routes)
+        _fill_from_files(model, plan.routes, finite)
+    finite.check()
     if getattr(plan.ckpt.text, "tie_word_embeddings", False):
         stored = next((t for t, r in plan.routes or () if r.param == "lm_head.weight"), None)
         if stored is None:
