@@ -65,9 +65,9 @@ class Server:
     def metrics(self) -> dict:
         out = {}
         for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith("chunklocal_") and "{" not in line:
+            if line.startswith(("vllm:", "chunklocal_")) and line.count("=") <= 1:
                 name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
+                out[name.split("{model_name=", 1)[0]] = float(value)  # one label at most
         return out
 
     def stop(self):
@@ -262,7 +262,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server):
 
 
 def test_disconnect_frees_the_request(server):
-    before = server.metrics()["chunklocal_generation_tokens_total"]
+    before = server.metrics()["vllm:generation_tokens_total"]
     body = {"model": server_ckpt(server), "prompt": text_prompt(3, 40), "max_tokens": 200,
             "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
@@ -272,11 +272,11 @@ def test_disconnect_frees_the_request(server):
     deadline = time.monotonic() + 20
     while True:
         m = server.metrics()
-        if m["chunklocal_num_requests_running"] == 0 and m["chunklocal_kv_cache_usage_perc"] == 0:
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
             break
         assert time.monotonic() < deadline, f"the request still runs after the disconnect: {m}"
         time.sleep(0.05)
-    assert m["chunklocal_generation_tokens_total"] - before < 200  # it did not run to the end
+    assert m["vllm:generation_tokens_total"] - before < 200  # it did not run to the end
 
 
 def _children(pid: int) -> list[int]:
@@ -321,10 +321,10 @@ def test_api_key_queue_limit_and_sigterm(ckpt, tmp_path):
 
         running = threading.Thread(target=stream, args=("running",))
         running.start()
-        wait_for("chunklocal_num_requests_running", 1)
+        wait_for("vllm:num_requests_running", 1)
         waiting = threading.Thread(target=stream, args=("waiting",))
         waiting.start()
-        wait_for("chunklocal_num_requests_waiting", 1)
+        wait_for("vllm:num_requests_waiting", 1)
         with pytest.raises(openai.APIStatusError) as info:  # the queue is full: 503 at once
             client.completions.create(model=model, prompt="hi", max_tokens=2)
         assert info.value.status_code == 503
@@ -357,7 +357,7 @@ def test_load_test_script_against_the_server(server, tmp_path):
     assert [(r["clients"], r["completed"], r["failed"]) for r in data["rows"]] == [(1, 8, 0),
                                                                                   (4, 8, 0)]
     after = server.metrics()
-    assert after["chunklocal_generation_tokens_total"] - before[
-        "chunklocal_generation_tokens_total"] >= 2 * 8 * 8
-    assert after["chunklocal_time_to_first_token_seconds_count"] - before[
-        "chunklocal_time_to_first_token_seconds_count"] >= 16
+    assert after["vllm:generation_tokens_total"] - before[
+        "vllm:generation_tokens_total"] >= 2 * 8 * 8
+    assert after["vllm:time_to_first_token_seconds_count"] - before[
+        "vllm:time_to_first_token_seconds_count"] >= 16

@@ -132,7 +132,6 @@ def test_chat_one_bos_and_role_chunk(serve, tokenizer):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "hi", "bogus": 1}, "bogus"),
     ({"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
@@ -270,18 +269,19 @@ def test_client_disconnect_aborts(serve, tokenizer, stream):
 def test_metrics(serve, tokenizer):
     s = serve(FakeCore(tokenizer))
     s.post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True})
-    s.post("/v1/completions", {"prompt": "hi", "bogus": 1})
+    s.post("/v1/completions", {"prompt": "hi", "n": 17})
     text = s.client.get("/metrics").text
-    for name in ("chunklocal_num_requests_running", "chunklocal_num_requests_waiting",
-                 "chunklocal_kv_cache_usage_perc", "chunklocal_peak_virtual_batches",
-                 "chunklocal_prompt_tokens_total", "chunklocal_generation_tokens_total",
-                 "chunklocal_num_preemptions_total",
-                 "chunklocal_time_to_first_token_seconds_bucket",
-                 "chunklocal_inter_token_latency_seconds_bucket"):
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "chunklocal_peak_virtual_batches",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket"):
         assert name in text, name
-    assert "chunklocal_time_to_first_token_seconds_count 1.0" in text
-    assert "chunklocal_inter_token_latency_seconds_count 2.0" in text
-    assert 'chunklocal_request_success_total{finished_reason="length"} 1.0' in text
+    assert 'vllm:time_to_first_token_seconds_count{model_name="tiny"} 1.0' in text
+    assert 'vllm:inter_token_latency_seconds_count{model_name="tiny"} 2.0' in text
+    assert ('vllm:request_success_total{finished_reason="length",model_name="tiny"} 1.0'
+            in text)
     assert 'chunklocal_http_errors_total{status="400"} 1.0' in text
 
 

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP app (FastAPI): /v1/models, /v1/completions,
-/v1/chat/completions, /health and /metrics.
+/v1/chat/completions, vLLM's /tokenize, /detokenize, /version and /ping, /health and
+/metrics.
 
-The app answers from the moment it listens; until the engine is loaded /health and /v1
-answer 503.  Every refusal is OpenAI's error JSON, and nothing a request does can stop
-the server from serving the next one.
+Until the engine is loaded /health and /v1 answer 503.  Request bodies are run only as
+``application/json`` (else 415).  Every refusal is OpenAI's error JSON, and nothing a
+request does can stop the server from serving the next one.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import hmac
+import json
 import logging
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -22,14 +23,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from chunklocal import __version__
 from chunklocal.server import generate, params, prompts, responses
 from chunklocal.server.metrics import ServerMetrics
 from chunklocal.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 
 log = logging.getLogger("chunklocal.server")
@@ -41,6 +47,8 @@ class ServerConfig:
     model_path: str = ""
     api_key: str | None = None
     limits: params.ServeLimits = field(default_factory=params.ServeLimits)
+    chat_template: str | None = None  # --chat-template (the text): instead of the tokenizer's
+    tokenize_workers: int = 4
 
 
 class ServerState:
@@ -53,16 +61,16 @@ class ServerState:
         self.default_max_tokens: int | None = None  # generation_config's max_new_tokens
         self.decode_tokenizer = None
         self.shutting_down = False
-        self.metrics = ServerMetrics(self)
-        # Tokenizing a long prompt takes a while: off the event loop, one at a time.
-        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="chunklocal-tokenize")
+        self.metrics = ServerMetrics(self, config.served_model_names[0])
+        # Tokenizing a long prompt takes a while: off the event loop, on a few threads.
+        self.tokenizers = prompts.TokenizerPool(config.tokenize_workers)
 
     def set_core(self, core) -> None:
         llm = getattr(core, "llm", None)
         self.vocab_size = getattr(core, "vocab_size", None) or getattr(
             getattr(llm, "config", None), "vocab_size", None)
         self.default_max_tokens = getattr(llm, "default_sampling", {}).get("max_tokens")
-        # The event loop decodes logprob tokens while the tokenize thread encodes: a fast
+        # The event loop decodes logprob tokens while the tokenize threads encode: a fast
         # tokenizer must not be shared by two threads, so the loop gets its own copy.
         self.decode_tokenizer = copy.deepcopy(core.tokenizer)
         self.core = core
@@ -85,10 +93,12 @@ class _AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if (self.expected is not None and scope["type"] == "http"
                 and scope["path"].startswith("/v1")):
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
-                err = APIError("missing or wrong API key: send 'Authorization: Bearer KEY'",
-                               status=401, code="invalid_api_key", type="invalid_request_error")
+            got = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
+            if len(got) != 1 or not hmac.compare_digest(got[0], self.expected):
+                why = ("more than one Authorization header" if len(got) > 1 else
+                       "missing or wrong API key: send 'Authorization: Bearer KEY'")
+                err = APIError(why, status=401, code="invalid_api_key",
+                               type="invalid_request_error")
                 if self.refused is not None:
                     self.refused()
                 await JSONResponse(err.body(), status_code=401,
@@ -97,7 +107,13 @@ class _AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _read(request: Request, cls, limit: int):
+async def _body(request: Request, limit: int) -> bytes:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":  # as vLLM: no form or text bodies (no CORS-free
+        # cross-site POST from a browser page can send application/json)
+        raise APIError("Unsupported Media Type: only 'application/json' is allowed, got "
+                       f"{media_type or 'no Content-Type'!r}", status=415,
+                       code="unsupported_media_type", type="invalid_request_error")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(f"request body of {declared} bytes exceeds the limit of {limit} bytes "
@@ -108,8 +124,12 @@ async def _read(request: Request, cls, limit: int):
         if len(body) > limit:
             raise APIError(f"request body exceeds the limit of {limit} bytes "
                            "(--max-request-bytes)", code="request_too_large")
+    return bytes(body)
+
+
+def _parse(cls, body: bytes):
     try:
-        return cls.model_validate_json(bytes(body))
+        return cls.model_validate_json(body)
     except ValidationError as err:
         first = err.errors()[0]
         loc = ".".join(str(p) for p in first["loc"] if p not in ("str", "int", "list[int]"))
@@ -132,17 +152,30 @@ def build_app(state: ServerState) -> FastAPI:
                            code="model_not_found")
         return req.model
 
-    async def prepare(request: Request, cls):
-        limit = cfg.limits.body_limit(getattr(state.core, "max_model_len", None))
-        req = await _read(request, cls, limit)
+    async def read(request: Request, cls):
+        body = await _body(request, cfg.limits.body_limit(
+            getattr(state.core, "max_model_len", None)))
+        if cls is None:  # /tokenize: messages or a prompt, as vLLM's union of the two
+            try:
+                chat = isinstance(data := json.loads(body), dict) and "messages" in data
+            except ValueError:
+                chat = False
+            cls = TokenizeChatRequest if chat else TokenizeCompletionRequest
+        req = _parse(cls, body)
         core = state.ready_core()
+        model_of(req)
+        params.warn_extra(req)
+        return req, core
+
+    async def prepare(request: Request, cls):
+        req, core = await read(request, cls)
         model = model_of(req)
         params.check_fields(req)
         top = params.check_limits(req, cfg.limits)
         return req, core, model, top
 
-    async def tokenize(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, *args)
+    async def tokenize(request, fn, req, tokenizer, *args):
+        return await state.tokenizers.run(request, fn, req, tokenizer, *args)
 
     async def answer(request, req, core, model, top, prompt_list, rid, chat):
         kwargs = [params.sampling_kwargs(req, top, len(ids), core.max_model_len,
@@ -166,6 +199,10 @@ def build_app(state: ServerState) -> FastAPI:
             log.exception("request %s failed in the engine", rid)
             raise APIError(f"generation failed: {type(err).__name__}: {err}", status=500,
                            code="engine_error") from err
+        if state.shutting_down and any(o.finish_reason == "abort" for f in finals
+                                       for o in f.outputs):
+            raise APIError("the server is shutting down: the request was not completed",
+                           status=503, code="shutting_down", type="shutting_down")
         body = (responses.chat_response(rid, model, finals[0], tok, top) if chat
                 else responses.completion_response(rid, model, finals, req.n, tok, top))
         return Response(body.model_dump_json(), media_type="application/json")
@@ -173,15 +210,16 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, core, model, top = await prepare(request, CompletionRequest)
-        prompt_list = await tokenize(prompts.completion_prompts, req, core.tokenizer,
-                                     state.vocab_size, cfg.limits)
+        prompt_list = await tokenize(request, prompts.completion_prompts, req, core.tokenizer,
+                                     state.vocab_size, cfg.limits, core.max_model_len)
         return await answer(request, req, core, model, top, prompt_list,
                             f"cmpl-{uuid.uuid4().hex}", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, core, model, top = await prepare(request, ChatCompletionRequest)
-        text, ids = await tokenize(prompts.chat_prompt, req, core.tokenizer, state.vocab_size)
+        text, ids = await tokenize(request, prompts.chat_prompt, req, core.tokenizer,
+                                   state.vocab_size, core.max_model_len, cfg.chat_template)
         return await answer(request, req, core, model, top, [(text, ids)],
                             f"chatcmpl-{uuid.uuid4().hex}", chat=True)
 
@@ -191,6 +229,38 @@ def build_app(state: ServerState) -> FastAPI:
         cards = [ModelCard(id=name, root=cfg.model_path, max_model_len=max_len)
                  for name in cfg.served_model_names]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        req, core = await read(request, None)
+        if isinstance(req, TokenizeChatRequest):
+            if req.chat_template is not None and not cfg.limits.trust_request_chat_template:
+                raise APIError("a chat_template in the request is used only when the server "
+                               "runs with --trust-request-chat-template", param="chat_template")
+            _, ids = await tokenize(request, prompts.chat_prompt, req, core.tokenizer, None,
+                                    None, cfg.chat_template)
+        else:
+            ids = await tokenize(request, prompts.prompt_ids, req, core.tokenizer)
+        tok = state.decode_tokenizer
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs and tok else None
+        body = TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=ids,
+                                token_strs=strs)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        req, core = await read(request, DetokenizeRequest)
+        text = await tokenize(request, prompts.detokenize, req, core.tokenizer,
+                              state.vocab_size)
+        return JSONResponse({"prompt": text})
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": __version__})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
 
     @app.get("/health")
     async def health():
@@ -207,6 +277,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def api_error(request: Request, err: APIError):
         state.metrics.http_errors.labels(str(err.status)).inc()
         return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(prompts.ClientGone)
+    async def client_gone(request: Request, err: prompts.ClientGone):
+        return Response(status_code=499)  # nobody reads this
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):

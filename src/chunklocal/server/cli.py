@@ -1,10 +1,11 @@
 """``chunklocal serve MODEL``: the OpenAI-compatible server on uvicorn.
 
 Every ``LLM`` argument has a flag (``LLM_FLAGS``; a test checks the list against
-``LLM.__init__``).  The server listens at once (uvicorn in a thread) while the main
-thread loads the model: /health answers 503 until the engine is ready, then 200.
-SIGTERM / SIGINT abort every running and waiting request (their responses end with
-finish_reason "abort"), let the responses finish, and exit with status 0 (a signal during
+``LLM.__init__``).  The main thread loads and checks the model first, as vLLM does (a bad
+checkpoint or flag fails before the port opens), then uvicorn listens in a thread and one
+start-up summary line is logged.  SIGTERM / SIGINT abort every running and waiting request
+(streams end with finish_reason "abort", waiting non-streamed requests get 503
+``shutting_down``), let the responses finish, and exit with status 0 (a signal during
 loading stops the load); a second SIGINT forces the exit.
 
 This module imports only argparse at load time, so other subcommands stay fast.
@@ -85,6 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompts", type=_positive, default=lim.max_prompts,
                    help=f"most prompts in one /v1/completions request (default "
                    f"{lim.max_prompts})")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="chat template for /v1/chat/completions instead of the tokenizer's: "
+                   "a file, or the Jinja template itself (as vLLM's flag)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer directory, if not MODEL's (as vLLM's flag)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (it renders on the "
                    "server, unbounded; default: refused with 400)")
@@ -136,8 +142,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "generation_config.json; none (or vllm): vLLM's defaults; a directory: "
                    "its generation_config.json (default auto)")
     e.add_argument("--max-waiting-requests", type=_positive, default=None,
-                   help="requests allowed to wait for a slot; past it the server answers 503 "
-                   "(default: no limit)")
+                   help="sequences (prompts x n) allowed to wait for a slot; past it the "
+                   "server answers 503 (default: no limit)")
 
 
 def check_arguments(parser: argparse.ArgumentParser, args) -> None:
@@ -150,6 +156,13 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.api_key == "":
         parser.error(f"--api-key (or ${API_KEY_ENV}) is empty")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        parser.error(f"--tokenizer must be a tokenizer directory; {args.tokenizer!r} is none")
+    if args.chat_template is not None:
+        try:
+            args.chat_template = chat_template_text(args.chat_template)
+        except ValueError as err:
+            parser.error(str(err))
     accepted = inspect.signature(_llm_class().__init__).parameters
     for name, default in _DEFAULTS_IF_ABSENT.items():
         if name not in accepted and getattr(args, LLM_FLAGS[name]) != default:
@@ -162,6 +175,21 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
     if args.load_format not in LOAD_FORMATS:
         parser.error(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got "
                      f"{args.load_format!r}")
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template: a file's text, or the template itself, as vLLM reads the flag."""
+    from pathlib import Path
+
+    try:
+        if Path(value).is_file():
+            return Path(value).read_text()
+    except OSError:  # a long inline template is no path
+        pass
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"--chat-template {value!r} looks like a file path, but there is no "
+                         "such file (an inline template holds '{' or a newline)")
+    return value
 
 
 def _llm_class():
@@ -184,7 +212,12 @@ def llm_kwargs(args) -> dict:
 def make_core(args):
     """Load the checkpoint and start its engine core (the slow part)."""
     llm = _llm_class()(args.model, **llm_kwargs(args))
+    if getattr(args, "tokenizer", None) is not None:
+        from chunklocal.engine.requests import load_tokenizer
+
+        llm._tokenizer = load_tokenizer(args.tokenizer)  # before the core copies it
     core = llm.core
+    _ = core.tokenizer  # a bad tokenizer fails here, before the port opens
     core.max_logprobs = args.max_logprobs  # the engine refuses more, the server says 400
     core.owner = llm  # the core holds its LLM weakly; the server keeps it for its lifetime
     return core
@@ -207,16 +240,13 @@ def main(args) -> int:
     limits = ServeLimits(args.max_request_bytes, args.max_n, args.max_logprobs, args.max_stop,
                          max_prompts=args.max_prompts,
                          trust_request_chat_template=args.trust_request_chat_template)
-    state = ServerState(ServerConfig(args.served_model_name or [args.model], str(args.model),
-                                     args.api_key, limits))
+    names = args.served_model_name or [args.model]
+    state = ServerState(ServerConfig(names, str(args.model), args.api_key, limits,
+                                     chat_template=getattr(args, "chat_template", None)))
     server = uvicorn.Server(uvicorn.Config(
         build_app(state), host=args.host, port=args.port, log_level=args.log_level,
         lifespan="off", access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=_GRACE_S))
-    # uvicorn runs in a thread (it installs no signal handlers there); the main thread
-    # loads the model and handles signals.  Loading in a thread that then exits would
-    # leave its OpenMP team spinning and slow every CPU step many times over.
-    web = threading.Thread(target=server.run, name="chunklocal-http", daemon=True)
 
     def on_signal(sig, frame):
         first = not state.shutting_down
@@ -232,39 +262,49 @@ def main(args) -> int:
         if loading:
             raise _Interrupted
 
-    loading = False
+    loading = True
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    # The model loads in the main thread, before the port opens: loading in a thread that
+    # then exits would leave its OpenMP team spinning and slow every CPU step many times.
+    try:
+        core = make_core(args)
+    except _Interrupted:
+        return 0
+    except ValueError as err:  # a checked refusal (bad checkpoint or flags): no traceback
+        log.error("could not load %s: %s", args.model, err)
+        return 1
+    except Exception:  # noqa: BLE001 - reported; the server stops with status 1
+        log.exception("could not load %s", args.model)
+        return 1
+    finally:
+        loading = False
+    if state.shutting_down:
+        core.shutdown()
+        return 0
+    state.set_core(core)
+    # uvicorn runs in a thread (it installs no signal handlers there); the main thread
+    # handles signals.
+    web = threading.Thread(target=server.run, name="chunklocal-http", daemon=True)
     web.start()
     while not server.started and web.is_alive():
         web.join(0.05)
+    status = 0
     if not web.is_alive():  # could not bind the port (uvicorn logged why)
-        return 1
-    status, core = 0, None
-    try:
-        if not state.shutting_down:
-            loading = True
-            core = make_core(args)
-            loading = False
-    except _Interrupted:
-        core = None
-    except ValueError as err:  # a checked refusal (bad checkpoint or flags): no traceback
-        log.error("could not load %s: %s", args.model, err)
-        server.should_exit, status, core = True, 1, None
-    except Exception:  # noqa: BLE001 - reported; the server stops with status 1
-        log.exception("could not load %s", args.model)
-        server.should_exit, status, core = True, 1, None
-    if core is not None:
-        if state.shutting_down:
-            core.shutdown()
-        else:
-            state.set_core(core)
-            log.info("model %s loaded: /health answers 200", args.model)
+        status = 1
+    else:
+        log.info("chunklocal serving %s as %s on http://%s:%d: max_model_len %d, "
+                 "max_num_seqs %d, device %s, API key %s", args.model, ", ".join(names),
+                 args.host, args.port, core.max_model_len, args.max_num_seqs,
+                 llm_device(core), "required" if args.api_key else "off")
     while web.is_alive():
         web.join(0.2)  # wakes often enough for signal handlers to run
-    if core is not None:
-        core.shutdown()
+    core.shutdown()
     return status
+
+
+def llm_device(core) -> str:
+    return str(getattr(getattr(core, "owner", None), "device", "?"))
 
 
 run_serve = main

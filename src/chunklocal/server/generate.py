@@ -1,6 +1,7 @@
 """Requests in flight: submit to the engine core, collect or stream, abort on disconnect.
 
-A request with several prompts is all-or-nothing: every SamplingParams is built (and so
+The waiting queue's limit counts sequences (prompts x n), not requests.  A request with
+several prompts is all-or-nothing: every SamplingParams is built (and so
 checked) before the first prompt reaches the engine, and a full queue or a refused prompt
 aborts the prompts already added before answering 503 / 400.
 """
@@ -31,8 +32,28 @@ def _queue_full_class():
     return QueueFullError
 
 
+def check_room(core, kwargs_per_prompt) -> None:
+    """The waiting queue counts sequences (prompts x n), as the engine core's does: refuse a
+    request whose sequences do not fit beside those waiting (503), or never fit (400)."""
+    limit = getattr(core, "max_waiting_requests", None)
+    if limit is None:
+        return
+    new = sum(k.get("n", 1) for k in kwargs_per_prompt)
+    prompts, n = len(kwargs_per_prompt), kwargs_per_prompt[0].get("n", 1)
+    if new > limit:
+        raise APIError(f"{prompts} prompt(s) x n = {n} make {new} sequences, more than the "
+                       f"{limit} the server lets wait (--max-waiting-requests)",
+                       param="n" if n > 1 else "prompt", code="too_many_sequences")
+    waiting = int(core.stats().get("num_waiting", 0))
+    if waiting + new > limit:
+        raise APIError(f"the server is busy: {waiting} sequences wait and this request adds "
+                       f"{new}, the limit (--max-waiting-requests) is {limit}", status=503,
+                       code="queue_full", type="service_unavailable")
+
+
 def submit(core, prompts, kwargs_per_prompt, request_id: str):
     """RequestStreams, one per (text, ids) prompt, or APIError with nothing left queued."""
+    check_room(core, kwargs_per_prompt)
     cls = sampling_params_class()
     params = []
     for i, kwargs in enumerate(kwargs_per_prompt):
@@ -68,7 +89,7 @@ def submit(core, prompts, kwargs_per_prompt, request_id: str):
 
 def _field_in(message: str) -> str:
     """The request field an engine refusal is about ("request X: logprobs 25 exceeds ...")."""
-    for name in ("stop_token_ids", "logprobs", "stop", "max_tokens"):
+    for name in ("stop_token_ids", "logprobs", "stop", "max_tokens", "seed"):
         if name in message:
             return name
     return "prompt"

@@ -6,6 +6,8 @@ anything reaches the engine, so a refused request changes no state.
 
 from __future__ import annotations
 
+import logging
+
 from chunklocal.server.limits import ServeLimits
 from chunklocal.server.protocol import (
     APIError,
@@ -15,6 +17,8 @@ from chunklocal.server.protocol import (
 )
 
 __all__ = ["ServeLimits", "check_fields", "check_limits", "sampling_kwargs"]
+
+log = logging.getLogger("chunklocal.server")
 
 
 # Request fields handed to SamplingParams unchanged when the client set them (vLLM names).
@@ -43,13 +47,20 @@ def _same(a, b) -> bool:
     return a == b and (a is None) == (b is None) and isinstance(a, bool) == isinstance(b, bool)
 
 
+def warn_extra(req) -> None:
+    """Unknown fields are ignored with a warning naming them, as vLLM's OpenAIBaseModel
+    does (OpenAI's API accepts extra fields; clients send their own)."""
+    extra = set(req.model_extra or ())
+    opts = getattr(req, "stream_options", None)
+    if opts is not None and opts.model_extra:
+        extra |= {f"stream_options.{k}" for k in opts.model_extra}
+    if extra:
+        log.warning("The following fields were present in the request but ignored: %s",
+                    sorted(extra))
+
+
 def check_fields(req: _Request) -> None:
-    """Refuse unknown fields and fields we do not serve at non-neutral values."""
-    if req.model_extra:
-        name = sorted(req.model_extra)[0]
-        raise APIError(f"unknown field {name!r}: this server does not recognise it "
-                       "(OpenAI completions / chat completions fields and vLLM's extra sampling "
-                       "fields are accepted)", param=name, code="unknown_field")
+    """Refuse fields we do not serve at non-neutral values (unknown fields: warn_extra)."""
     for name, neutral in NOT_SERVED.items():
         if name not in req.model_fields_set:
             continue
@@ -72,6 +83,10 @@ def check_limits(req: CompletionRequest | ChatCompletionRequest,
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream: true",
                        param="stream_options")
+    if req.seed is not None and not 0 <= req.seed <= 2**63 - req.n:
+        # Sample i of n uses seed + i: every one must be a valid seed, in [0, 2**63).
+        raise APIError(f"seed must be in [0, 2**63 - n] = [0, {2**63 - req.n}] with n = "
+                       f"{req.n} (sample i uses seed + i), got {req.seed}", param="seed")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > limits.max_stop:
         raise APIError(f"{len(stops)} stop strings exceed the limit of {limits.max_stop} "
@@ -99,13 +114,14 @@ def check_limits(req: CompletionRequest | ChatCompletionRequest,
     return top
 
 
-def max_tokens_of(req: _Request) -> int | None:
+def max_tokens_of(req: _Request) -> tuple[int | None, str]:
+    """The requested max new tokens, and the field the client set it with."""
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
             raise APIError(f"max_tokens={req.max_tokens} and max_completion_tokens="
                            f"{req.max_completion_tokens} disagree", param="max_tokens")
-        return req.max_completion_tokens
-    return req.max_tokens
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
 
 
 def sampling_kwargs(req: _Request, top_logprobs: int | None, prompt_len: int,
@@ -115,19 +131,20 @@ def sampling_kwargs(req: _Request, top_logprobs: int | None, prompt_len: int,
     defaulting, as vLLM's does, to the room left in max_model_len, or to the
     generation_config's max_new_tokens (``default_max_tokens``) when that is smaller."""
     room = max_model_len - prompt_len
+    prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     if room < 1:
         raise APIError(f"the prompt has {prompt_len} tokens, which leaves no room for a new "
-                       f"token in max_model_len {max_model_len}", param="prompt",
+                       f"token in max_model_len {max_model_len}", param=prompt_param,
                        code="context_length_exceeded")
-    max_tokens = max_tokens_of(req)
+    max_tokens, name = max_tokens_of(req)
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
     elif max_tokens < 1:
-        raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        raise APIError(f"{name} must be at least 1, got {max_tokens}", param=name)
     elif max_tokens > room:
-        raise APIError(f"max_tokens {max_tokens} + the prompt's {prompt_len} tokens exceed "
+        raise APIError(f"{name} {max_tokens} + the prompt's {prompt_len} tokens exceed "
                        f"max_model_len {max_model_len} (at most {room} new tokens)",
-                       param="max_tokens", code="context_length_exceeded")
+                       param=name, code="context_length_exceeded")
     kwargs = {name: getattr(req, name) for name in SAMPLING_FIELDS
               if name in req.model_fields_set and getattr(req, name) is not None}
     kwargs.update(n=req.n, max_tokens=max_tokens)

@@ -7,8 +7,22 @@ text *without* adding special tokens (the template holds BOS), as transformers'
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import json
+import threading
+import weakref
+
 from chunklocal.server.params import ServeLimits
-from chunklocal.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from chunklocal.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeChatRequest,
+)
+
+# tokenizer -> the most UTF-8 bytes one token can stand for (None: no such bound is known).
+_TOKEN_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # apply_chat_template arguments a request sets through its own fields, not chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "chat_template",
@@ -23,6 +37,52 @@ def _no_tokenizer(what: str) -> APIError:
                     code="no_tokenizer")
 
 
+def max_token_bytes(tokenizer) -> int | None:
+    """The most bytes of text one token covers, for a byte-level BPE tokenizer without a
+    normalizer (Llama-4's kind: every byte of the text is in some token, so a text of B bytes
+    has at least B / this many tokens); None for other tokenizers (a normalizer or a
+    whitespace pre-tokenizer may drop text)."""
+    try:
+        return _TOKEN_BYTES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    longest = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        spec = json.loads(backend.to_str()) if backend is not None else None
+        if (spec is not None and spec.get("normalizer") is None
+                and "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
+                and "Whitespace" not in json.dumps(spec.get("pre_tokenizer"))):
+            longest = max(len(t.encode()) for t in tokenizer.get_vocab())
+    except Exception:  # noqa: BLE001 - no bound, no refusal: tokenizing decides
+        longest = None
+    try:
+        _TOKEN_BYTES[tokenizer] = longest
+    except TypeError:
+        pass
+    return longest
+
+
+def check_fits(text: str, tokenizer, max_model_len: int | None, param: str) -> None:
+    """Refuse, before tokenizing it, a text that cannot fit max_model_len with room for one
+    new token (a lower bound on its token count from its UTF-8 length)."""
+    if max_model_len is None or len(text) < max_model_len:  # a token covers >= 1 character
+        return
+    longest = max_token_bytes(tokenizer)
+    if not longest:
+        return
+    least = -(-len(text.encode()) // longest)
+    if least >= max_model_len:
+        raise APIError(f"the text has {len(text.encode())} UTF-8 bytes, so at least {least} "
+                       f"tokens (a token covers at most {longest} bytes), which leaves no room "
+                       f"for a new token in max_model_len {max_model_len}", param=param,
+                       code="context_length_exceeded")
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
 def _check_ids(ids, index: int, vocab_size: int | None, param: str) -> list[int]:
     if not ids:
         raise APIError(f"prompt {index} is empty", param=param)
@@ -35,7 +95,8 @@ def _check_ids(ids, index: int, vocab_size: int | None, param: str) -> list[int]
 
 
 def completion_prompts(req: CompletionRequest, tokenizer, vocab_size: int | None,
-                       limits: ServeLimits) -> list[tuple[str | None, list[int]]]:
+                       limits: ServeLimits, max_model_len: int | None = None,
+                       ) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) per prompt of a /v1/completions request."""
     prompt = req.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -54,7 +115,8 @@ def completion_prompts(req: CompletionRequest, tokenizer, vocab_size: int | None
                 raise _no_tokenizer("a string prompt")
             if not item:
                 raise APIError(f"prompt {i} is empty", param="prompt")
-            ids = tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"]
+            check_fits(item, tokenizer, max_model_len, "prompt")
+            ids = encode(tokenizer, item, req.add_special_tokens)
             out.append((item, _check_ids(ids, i, vocab_size, "prompt")))
         else:
             out.append((None, _check_ids(item, i, vocab_size, "prompt")))
@@ -78,12 +140,15 @@ def _message(i: int, msg) -> dict:
     return {**(msg.model_extra or {}), "role": msg.role, "content": content}
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer,
-                vocab_size: int | None) -> tuple[str, list[int]]:
-    """(rendered text, token ids) of a chat request, through the tokenizer's template."""
+def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest, tokenizer,
+                vocab_size: int | None, max_model_len: int | None = None,
+                default_template: str | None = None) -> tuple[str, list[int]]:
+    """(rendered text, token ids) of a chat request (or a /tokenize request with messages),
+    through the tokenizer's template or the server's --chat-template."""
     if tokenizer is None:
         raise _no_tokenizer("chat")
-    if req.chat_template is None and not getattr(tokenizer, "chat_template", None):
+    template = req.chat_template or default_template
+    if template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template: use /v1/completions, or "
                        "pass chat_template in the request (with a server run with "
                        "--trust-request-chat-template)", param="messages",
@@ -98,9 +163,81 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer,
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            chat_template=req.chat_template, **extra)
+            chat_template=template, **extra)
     except Exception as err:  # jinja2 TemplateError, transformers' ValueError, ...
         raise APIError(f"the chat template failed on these messages: "
                        f"{type(err).__name__}: {err}", param="messages") from err
-    ids = tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]
+    check_fits(text, tokenizer, max_model_len, "messages")
+    ids = encode(tokenizer, text, req.add_special_tokens)
     return text, _check_ids(ids, 0, vocab_size, "messages")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its prompt was tokenized: the work is dropped."""
+
+
+class TokenizerPool:
+    """Tokenization off the event loop: a few threads, each with its own copy of the
+    tokenizer (a fast tokenizer must not be used by two threads at once).  Work queued for
+    a client that has disconnected is dropped before it runs."""
+
+    def __init__(self, workers: int = 4):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="chunklocal-tokenize")
+        self.local = threading.local()
+
+    def own(self, tokenizer):
+        """This thread's copy of ``tokenizer``."""
+        if tokenizer is None:
+            return None
+        held = getattr(self.local, "held", None)
+        if held is None or held[0] is not tokenizer:
+            held = self.local.held = (tokenizer, copy.deepcopy(tokenizer))
+        return held[1]
+
+    async def run(self, request, fn, req, tokenizer, *args):
+        """``fn(req, this thread's tokenizer, *args)`` on the pool; ClientGone when the client
+        disconnects first (``request``: the Starlette request, its body already read)."""
+        gone = threading.Event()
+
+        def work():
+            if gone.is_set():
+                raise ClientGone
+            return fn(req, self.own(tokenizer), *args)
+
+        done = asyncio.get_running_loop().run_in_executor(self.pool, work)
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([done, watch], return_when=asyncio.FIRST_COMPLETED)
+            if not done.done():
+                gone.set()
+                done.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise ClientGone
+            return done.result()
+        finally:
+            watch.cancel()
+
+
+async def _disconnected(request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def prompt_ids(req, tokenizer) -> list[int]:
+    """/tokenize with a prompt: its token ids (no length limit, as vLLM's)."""
+    if tokenizer is None:
+        raise _no_tokenizer("a string prompt")
+    return encode(tokenizer, req.prompt, req.add_special_tokens)
+
+
+def detokenize(req, tokenizer, vocab_size: int | None) -> str:
+    """/detokenize: token ids -> text."""
+    if tokenizer is None:
+        raise APIError("detokenize needs a tokenizer and this model's directory has none",
+                       param="tokens", code="no_tokenizer")
+    for pos, tok in enumerate(req.tokens):
+        if not 0 <= tok < (vocab_size if vocab_size is not None else 1 << 62):
+            raise APIError(f"token id {tok} at index {pos} is outside the vocabulary "
+                           f"[0, {vocab_size})", param="tokens")
+    return tokenizer.decode(req.tokens)

@@ -1,9 +1,10 @@
 """OpenAI-compatible request and response bodies (pydantic), plus the error type.
 
 Requests are parsed in strict mode from the raw JSON: ``max_tokens: 2.5``, ``"n": true`` or
-``"seed": "1"`` are 400s, not silently coerced.  Unknown fields are collected (``extra``)
-and refused by name in ``params.py``; OpenAI and vLLM fields this server does not serve are
-declared here so that their neutral values (``null``, ``false``, ``[]``...) still pass.
+``"seed": "1"`` are 400s, not silently coerced.  Unknown fields are accepted and ignored with
+a warning naming them, as vLLM's ``OpenAIBaseModel`` does (``params.check_fields``); OpenAI
+and vLLM fields this server does not serve are declared here so that their neutral values
+(``null``, ``false``, ``[]``...) pass and other values are refused by name.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
@@ -133,6 +134,44 @@ class ChatCompletionRequest(_Request):
     reasoning_effort: str | None = None
     web_search_options: Any = None
     documents: list[Any] | None = None
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's /tokenize body with a prompt."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's /tokenize body with messages (rendered by the chat template)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 # -- responses -------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 The engine's outputs are cumulative snapshots (text and token ids so far); a stream sends
 each choice's difference from the previous snapshot, so the concatenated deltas equal the
 non-streamed text exactly (the engine already holds back partial UTF-8 characters and
-partial stop strings).
+partial stop strings).  A chat stream opens each choice with its role and then sends only
+chunks with text, except the last one, which carries the finish reason.
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ class StreamState:
                 continue
             chars, ntok = self.sent_chars.get(index, 0), self.sent_tokens.get(index, 0)
             delta, new_ids = o.text[chars:], o.token_ids[ntok:]
-            if not delta and not new_ids and o.finish_reason is None:
+            if not delta and o.finish_reason is None and (self.chat or not new_ids):
+                # No text yet (a held-back partial character or stop string): a chat chunk
+                # would have an empty delta; its tokens' logprobs go with the next chunk.
                 continue
             lp = None
             if self.k is not None and new_ids:
