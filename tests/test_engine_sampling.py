@@ -176,13 +176,24 @@ def test_bad_requests_name_the_request_and_change_nothing(llm):
     assert core.stats()["num_waiting"] == 0 and core.stats()["kv_usage"] == 0.0
 
 
+def test_the_waiting_limit_counts_sequences(ckpt):
+    """max_waiting_requests counts prompts x n: one request of n = 3 is 3 sequences."""
+    llm = chunklocal.LLM(ckpt[0], max_num_seqs=4, max_model_len=64, max_waiting_requests=2)
+    with pytest.raises(QueueFullError, match="0 sequences are waiting and this request adds 3"):
+        llm.core.add_request([1, 2], SamplingParams(n=3, max_tokens=2, seed=1))
+    assert llm.core.stats()["num_waiting"] == 0
+    out = llm.core.add_request([1, 2], SamplingParams(n=2, max_tokens=2, seed=1)).result()
+    assert len(out.outputs) == 2
+
+
 def test_queue_full_is_refused_not_hung(ckpt, hold_steps):
     llm = chunklocal.LLM(ckpt[0], max_num_seqs=1, max_model_len=64, max_waiting_requests=1)
     gate, entered = hold_steps(llm)  # conftest.py
     first = llm.core.add_request([1, 2, 3], SamplingParams(max_tokens=3))
     assert entered.wait(30)
     second = llm.core.add_request([4, 5], SamplingParams(max_tokens=3))
-    with pytest.raises(QueueFullError, match="1 requests are waiting, the limit"):
+    with pytest.raises(QueueFullError, match="1 sequences are waiting and this request adds "
+                       "1; the limit"):
         llm.core.add_request([6], SamplingParams(max_tokens=3))
     gate.set()
     assert len(first.result().outputs[0].token_ids) == 3

@@ -40,7 +40,8 @@ _LIVE_CORES: weakref.WeakSet = weakref.WeakSet()
 
 
 class QueueFullError(RuntimeError):
-    """More than ``max_waiting_requests`` requests wait for admission (HTTP 503)."""
+    """More than ``max_waiting_requests`` sequences (prompts x n) would wait for admission
+    (HTTP 503)."""
 
 
 class EngineCore:
@@ -165,16 +166,19 @@ class EngineCore:
                     raise ValueError(f"request {req.request_id}: request_id already in use")
             if len({r.request_id for r in requests}) < len(requests):
                 raise ValueError("request ids repeat within one submission")
+            new = sum(len(r.samples) for r in requests)
             if check_queue and self.max_waiting_requests is not None:
+                # Sequences (prompts x n), not requests: one request of 64 prompts x n = 16
+                # is 1,024 sequences waiting.
                 waiting = self._pending + len(self.scheduler.waiting)
-                if waiting >= self.max_waiting_requests:
-                    raise QueueFullError(f"{waiting} requests are waiting, the limit "
-                                         f"(max_waiting_requests) is "
-                                         f"{self.max_waiting_requests}")
+                if waiting + new > self.max_waiting_requests:
+                    raise QueueFullError(f"{waiting} sequences are waiting and this request "
+                                         f"adds {new}; the limit (max_waiting_requests) is "
+                                         f"{self.max_waiting_requests} sequences")
             for req in requests:
                 self._live[req.request_id] = req
                 self._commands.put(("add", req))
-            self._pending += sum(len(r.samples) for r in requests)
+            self._pending += new
             self._start()
         return [r.stream for r in requests]
 
