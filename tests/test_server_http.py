@@ -175,7 +175,8 @@ def test_bad_chat_requests(serve, tokenizer, tmp_path):
     s = serve(FakeCore(tokenizer))
     _error(s.post("/v1/chat/completions", {"messages": []}), 400, "messages")
     _error(s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                           "tools": [{"type": "function"}]}), 400, "tools")
+                                           "tools": [{"type": "function"}]}), 400,
+           "tools[0].function")
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     _error(s.post("/v1/chat/completions", {"messages": [image]}), 400, "messages[0].content")
     textless = {"role": "user", "content": [{"type": "text"}]}

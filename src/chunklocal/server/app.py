@@ -37,6 +37,7 @@ from chunklocal.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from chunklocal.server.tool_choice import ToolRequestError, check_tools
 
 log = logging.getLogger("chunklocal.server")
 
@@ -49,6 +50,9 @@ class ServerConfig:
     limits: params.ServeLimits = field(default_factory=params.ServeLimits)
     chat_template: str | None = None  # --chat-template (the text): instead of the tokenizer's
     tokenize_workers: int = 4
+    # --enable-auto-tool-choice / --tool-call-parser: tool_choice "auto" parses the output.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 class ServerState:
@@ -177,7 +181,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(request, fn, req, tokenizer, *args):
         return await state.tokenizers.run(request, fn, req, tokenizer, *args)
 
-    async def answer(request, req, core, model, top, prompt_list, rid, chat):
+    async def answer(request, req, core, model, top, prompt_list, rid, chat, parser=None):
+        first_call_only = chat and req.parallel_tool_calls is False
         kwargs = [params.sampling_kwargs(req, top, len(ids), core.max_model_len,
                                          state.default_max_tokens) for _, ids in prompt_list]
         streams = generate.submit(core, prompt_list, kwargs, rid)
@@ -187,7 +192,8 @@ def build_app(state: ServerState) -> FastAPI:
             opts = req.stream_options
             st = responses.StreamState(chat, rid, model, req.n, tok, top,
                                        bool(opts and opts.include_usage),
-                                       bool(opts and opts.continuous_usage_stats))
+                                       bool(opts and opts.continuous_usage_stats),
+                                       parser, first_call_only)
             opening = st.role_chunks(req.n) if chat else ()
             return StreamingResponse(generate.sse(streams, st, observe, opening),
                                      media_type="text/event-stream")
@@ -203,7 +209,8 @@ def build_app(state: ServerState) -> FastAPI:
                                        for o in f.outputs):
             raise APIError("the server is shutting down: the request was not completed",
                            status=503, code="shutting_down", type="shutting_down")
-        body = (responses.chat_response(rid, model, finals[0], tok, top) if chat
+        body = (responses.chat_response(rid, model, finals[0], tok, top, parser,
+                                        first_call_only) if chat
                 else responses.completion_response(rid, model, finals, req.n, tok, top))
         return Response(body.model_dump_json(), media_type="application/json")
 
@@ -218,10 +225,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, core, model, top = await prepare(request, ChatCompletionRequest)
+        policy = params.tools_of(req, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
         text, ids = await tokenize(request, prompts.chat_prompt, req, core.tokenizer,
-                                   state.vocab_size, core.max_model_len, cfg.chat_template)
+                                   state.vocab_size, core.max_model_len, cfg.chat_template,
+                                   policy.tools)
         return await answer(request, req, core, model, top, [(text, ids)],
-                            f"chatcmpl-{uuid.uuid4().hex}", chat=True)
+                            f"chatcmpl-{uuid.uuid4().hex}", chat=True, parser=policy.parser)
 
     @app.get("/v1/models")
     async def models():
@@ -237,8 +246,12 @@ def build_app(state: ServerState) -> FastAPI:
             if req.chat_template is not None and not cfg.limits.trust_request_chat_template:
                 raise APIError("a chat_template in the request is used only when the server "
                                "runs with --trust-request-chat-template", param="chat_template")
+            try:
+                tools = check_tools(req.tools)
+            except ToolRequestError as err:
+                raise APIError(str(err), param=err.param) from err
             _, ids = await tokenize(request, prompts.chat_prompt, req, core.tokenizer, None,
-                                    None, cfg.chat_template)
+                                    None, cfg.chat_template, tools)
         else:
             ids = await tokenize(request, prompts.prompt_ids, req, core.tokenizer)
         tok = state.decode_tokenizer

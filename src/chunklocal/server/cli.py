@@ -94,6 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (it renders on the "
                    "server, unbounded; default: refused with 400)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice \"auto\" (the default with tools): the model's tool calls "
+                   "are parsed into tool_calls (needs --tool-call-parser), as vLLM's flag")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(_tool_parser_names()),
+                   help="format of the model's tool calls (llama4_pythonic for Llama-4)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access-log line per request")
     g.add_argument("--log-level", default="info",
@@ -163,6 +168,12 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
             args.chat_template = chat_template_text(args.chat_template)
         except ValueError as err:
             parser.error(str(err))
+    from chunklocal.server.tool_choice import check_tool_flags
+
+    try:
+        check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)
+    except ValueError as err:
+        parser.error(str(err))
     accepted = inspect.signature(_llm_class().__init__).parameters
     for name, default in _DEFAULTS_IF_ABSENT.items():
         if name not in accepted and getattr(args, LLM_FLAGS[name]) != default:
@@ -190,6 +201,12 @@ def chat_template_text(value: str) -> str:
         raise ValueError(f"--chat-template {value!r} looks like a file path, but there is no "
                          "such file (an inline template holds '{' or a newline)")
     return value
+
+
+def _tool_parser_names():
+    from chunklocal.server.tool_parsers import TOOL_PARSERS
+
+    return TOOL_PARSERS
 
 
 def _llm_class():
@@ -242,7 +259,9 @@ def main(args) -> int:
                          trust_request_chat_template=args.trust_request_chat_template)
     names = args.served_model_name or [args.model]
     state = ServerState(ServerConfig(names, str(args.model), args.api_key, limits,
-                                     chat_template=getattr(args, "chat_template", None)))
+                                     chat_template=getattr(args, "chat_template", None),
+                                     enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                     tool_call_parser=args.tool_call_parser))
     server = uvicorn.Server(uvicorn.Config(
         build_app(state), host=args.host, port=args.port, log_level=args.log_level,
         lifespan="off", access_log=not args.disable_uvicorn_access_log,

@@ -15,8 +15,9 @@ from chunklocal.server.protocol import (
     CompletionRequest,
     _Request,
 )
+from chunklocal.server.tool_choice import ToolPolicy, ToolRequestError, tool_policy
 
-__all__ = ["ServeLimits", "check_fields", "check_limits", "sampling_kwargs"]
+__all__ = ["ServeLimits", "check_fields", "check_limits", "sampling_kwargs", "tools_of"]
 
 log = logging.getLogger("chunklocal.server")
 
@@ -33,8 +34,7 @@ NOT_SERVED = {
     "spaces_between_special_tokens": (None, True),
     "response_format": (None, {"type": "text"}), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "priority": (None, 0), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "priority": (None, 0), "echo": (None, False), "suffix": (None, ""), "functions": (None, []),
     "function_call": (None, "none", "auto"), "audio": (None,), "prediction": (None,),
     "modalities": (None, ["text"]), "service_tier": (None, "auto", "default"),
     "store": (None, False), "reasoning_effort": (None,), "web_search_options": (None,),
@@ -72,6 +72,18 @@ def check_fields(req: _Request) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(f"best_of={req.best_of!r} is not served by this server (only best_of = n "
                        f"= {req.n})", param="best_of", code="unsupported_field")
+
+
+def tools_of(req: ChatCompletionRequest, auto_tool_choice: bool,
+             tool_call_parser: str | None) -> ToolPolicy:
+    """The request's ``tools`` / ``tool_choice`` checked against the server's
+    --enable-auto-tool-choice / --tool-call-parser (tool_choice.tool_policy), as a 400 naming
+    the field path (``tools[0].function.name``, ``tool_choice``...)."""
+    try:
+        return tool_policy(req.tools, req.tool_choice, auto_tool_choice=auto_tool_choice,
+                           tool_call_parser=tool_call_parser)
+    except ToolRequestError as err:
+        raise APIError(str(err), param=err.param) from err
 
 
 def check_limits(req: CompletionRequest | ChatCompletionRequest,

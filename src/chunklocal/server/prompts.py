@@ -137,14 +137,45 @@ def _message(i: int, msg) -> dict:
                                param=f"messages[{i}].content")
             texts.append(part["text"])
         content = "\n".join(texts)
-    return {**(msg.model_extra or {}), "role": msg.role, "content": content}
+    out = {**(msg.model_extra or {}), "role": msg.role, "content": content}
+    if out.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(i, out["tool_calls"])
+    return out
+
+
+def _tool_calls(i: int, calls) -> list:
+    """An assistant message's ``tool_calls`` for the template, each call's ``arguments`` JSON
+    string decoded to an object as vLLM does (templates iterate the arguments)."""
+    if not isinstance(calls, list):
+        raise APIError(f"messages[{i}].tool_calls must be a list, got {calls!r:.80}",
+                       param=f"messages[{i}].tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(f"{where} must be {{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"arguments\": ...}}}}, got {call!r:.80}",
+                           param=f"{where}.function")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as err:
+                raise APIError(f"{where}.function.arguments is not JSON: {err}, got "
+                               f"{fn['arguments']!r:.80}",
+                               param=f"{where}.function.arguments") from err
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest, tokenizer,
                 vocab_size: int | None, max_model_len: int | None = None,
-                default_template: str | None = None) -> tuple[str, list[int]]:
+                default_template: str | None = None,
+                tools: list | None = None) -> tuple[str, list[int]]:
     """(rendered text, token ids) of a chat request (or a /tokenize request with messages),
-    through the tokenizer's template or the server's --chat-template."""
+    through the tokenizer's template or the server's --chat-template; ``tools`` (checked
+    ones, or None) go to the template as ``tools``."""
     if tokenizer is None:
         raise _no_tokenizer("chat")
     template = req.chat_template or default_template
@@ -163,7 +194,7 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeChatRequest, tokenizer,
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            chat_template=template, **extra)
+            chat_template=template, tools=tools, **extra)
     except Exception as err:  # jinja2 TemplateError, transformers' ValueError, ...
         raise APIError(f"the chat template failed on these messages: "
                        f"{type(err).__name__}: {err}", param="messages") from err

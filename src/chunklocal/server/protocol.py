@@ -119,12 +119,13 @@ class ChatCompletionRequest(_Request):
     add_special_tokens: bool = False  # the template already holds BOS: no second one
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # Not served (neutral values pass).
+    # Tools: checked by tool_choice.tool_policy (the server's --enable-auto-tool-choice).
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # False: only the first parsed call is kept
+    # Not served (neutral values pass).
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
@@ -175,7 +176,7 @@ class TokenizeResponse(BaseModel):
 
 
 # -- responses -------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class Usage(BaseModel):
@@ -229,6 +230,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -246,7 +248,9 @@ class ChatCompletionResponse(_Response):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": "assistant"} first, then {"content": "..."}; {} at the end
+    # {"role": "assistant", "content": ""} first, then {"content": "..."} and / or
+    # {"tool_calls": [...]}; {} only with the finish reason.
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
     stop_reason: int | str | None = None

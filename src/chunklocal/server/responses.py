@@ -4,10 +4,16 @@ The engine's outputs are cumulative snapshots (text and token ids so far); a str
 each choice's difference from the previous snapshot, so the concatenated deltas equal the
 non-streamed text exactly (the engine already holds back partial UTF-8 characters and
 partial stop strings).  A chat stream opens each choice with its role and then sends only
-chunks with text, except the last one, which carries the finish reason.
+chunks with text, except the last one, which carries the finish reason.  With a tool-call
+parser (tool_choice "auto"), each choice's text goes through its own parser stream: a delta
+holds the content and ``tool_calls`` pieces it released (text that may still become a call
+is held back, its logprobs go with the chunk that releases it), and the finish reason is
+"tool_calls" when a call was sent and the output stopped by itself.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from chunklocal.server.protocol import (
     AssistantMessage,
@@ -23,6 +29,8 @@ from chunklocal.server.protocol import (
     TopLogprob,
     Usage,
 )
+from chunklocal.server.tool_choice import finish_reason
+from chunklocal.server.tool_parsers import ContentDelta, ToolCallDelta, ToolCallStream, ToolParser
 
 
 class TokenText:
@@ -88,22 +96,58 @@ def completion_response(rid, model, finals, n, tok: TokenText, k) -> CompletionR
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals))
 
 
-def chat_response(rid, model, final, tok: TokenText, k) -> ChatCompletionResponse:
-    choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
-                          logprobs=chat_logprobs(tok, o.token_ids, o.logprobs, k)
-                          if k is not None else None,
-                          finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-               for o in final.outputs]
+def _message(o, parser: ToolParser | None, first_call_only: bool):
+    """(message, finish reason) of one output; with a parser its calls leave the content."""
+    if parser is None:
+        return AssistantMessage(content=o.text), o.finish_reason
+    content, calls = parser.extract(o.text)
+    if first_call_only:
+        calls = calls[:1]
+    if not calls:
+        return AssistantMessage(content=o.text), o.finish_reason
+    return (AssistantMessage(content=content, tool_calls=[c.to_openai() for c in calls]),
+            finish_reason(calls, o.finish_reason))
+
+
+def chat_response(rid, model, final, tok: TokenText, k, parser: ToolParser | None = None,
+                  first_call_only: bool = False) -> ChatCompletionResponse:
+    choices = []
+    for o in final.outputs:
+        message, reason = _message(o, parser, first_call_only)
+        choices.append(ChatChoice(index=o.index, message=message,
+                                  logprobs=chat_logprobs(tok, o.token_ids, o.logprobs, k)
+                                  if k is not None else None,
+                                  finish_reason=reason, stop_reason=o.stop_reason))
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of([final]))
+
+
+def tool_delta(stream: ToolCallStream, text: str, last: bool, first_call_only: bool,
+               ) -> tuple[dict[str, Any], int]:
+    """A chat chunk's delta from the parser's events on new ``text`` (and the end of the
+    output when ``last``), and the number of calls it opens."""
+    events = stream.feed(text) if text else []
+    if last:
+        events += stream.finish()
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls = [e for e in events if isinstance(e, ToolCallDelta)
+             and not (first_call_only and e.index > 0)]
+    delta: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [e.to_openai() for e in calls]
+    return delta, sum(e.id is not None for e in calls)
 
 
 class StreamState:
     """Per-choice progress of a stream: characters and tokens already sent."""
 
     def __init__(self, chat: bool, rid: str, model: str, n: int, tok: TokenText, k,
-                 include_usage: bool, continuous_usage: bool):
+                 include_usage: bool, continuous_usage: bool,
+                 parser: ToolParser | None = None, first_call_only: bool = False):
         self.chat, self.rid, self.model, self.n, self.tok, self.k = chat, rid, model, n, tok, k
         self.include_usage, self.continuous_usage = include_usage, continuous_usage
+        self.parser, self.first_call_only = parser, first_call_only
+        self.tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its parse
+        self.calls: dict[int, int] = {}  # choice index -> tool calls sent
         self.sent_chars: dict[int, int] = {}
         self.sent_tokens: dict[int, int] = {}
         self.done: set[int] = set()
@@ -130,7 +174,18 @@ class StreamState:
                 continue
             chars, ntok = self.sent_chars.get(index, 0), self.sent_tokens.get(index, 0)
             delta, new_ids = o.text[chars:], o.token_ids[ntok:]
-            if not delta and o.finish_reason is None and (self.chat or not new_ids):
+            reason = o.finish_reason
+            chat_delta: dict[str, Any] = {"content": delta} if delta else {}
+            if self.chat and self.parser is not None:
+                stream = self.tool_streams.get(index)
+                if stream is None:
+                    stream = self.tool_streams[index] = self.parser.new_stream()
+                chat_delta, opened = tool_delta(stream, delta, reason is not None,
+                                                self.first_call_only)
+                self.sent_chars[index] = len(o.text)  # fed to the parser: never again
+                self.calls[index] = self.calls.get(index, 0) + opened
+                reason = finish_reason(self.calls[index], reason)
+            if not chat_delta and o.finish_reason is None and (self.chat or not new_ids):
                 # No text yet (a held-back partial character or stop string): a chat chunk
                 # would have an empty delta; its tokens' logprobs go with the next chunk.
                 continue
@@ -140,9 +195,8 @@ class StreamState:
                 lp = (chat_logprobs(self.tok, new_ids, entries, self.k) if self.chat else
                       completion_logprobs(self.tok, new_ids, entries, self.k, chars))
             if self.chat:
-                choice = ChatStreamChoice(index=index, delta={"content": delta} if delta else {},
-                                          logprobs=lp, finish_reason=o.finish_reason,
-                                          stop_reason=o.stop_reason)
+                choice = ChatStreamChoice(index=index, delta=chat_delta, logprobs=lp,
+                                          finish_reason=reason, stop_reason=o.stop_reason)
             else:
                 choice = CompletionChoice(index=index, text=delta, logprobs=lp,
                                           finish_reason=o.finish_reason,
