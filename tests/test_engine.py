@@ -161,7 +161,7 @@ def test_preemption_under_a_tiny_pool(ckpt, hybrid):
     assert llm.last_stats.preemptions > 0
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out == hf_greedy(hf, prompt, 30)
-    assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+    assert all(g.num_free == g.num_blocks for g in llm.groups)
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def test_bad_prompt_rejected_before_any_work(ckpt, bad, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([good[0], bad, good[1]], max_new_tokens=8)
     assert not llm.scheduler.has_work()
-    assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+    assert all(g.num_free == g.num_blocks for g in llm.groups)
     assert llm.generate(good, max_new_tokens=8) == [hf_greedy(hf, p, 8) for p in good]
 
 
@@ -308,7 +308,7 @@ def test_bad_generate_arguments_rejected_before_any_work(ckpt, kwargs, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts_of([9]), **kwargs)
     assert not llm.scheduler.has_work()
-    assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+    assert all(g.num_free == g.num_blocks for g in llm.groups)
     # numpy integers and floats are exact values, not mistakes
     assert len(llm.generate(prompts_of([9]), max_new_tokens=np.int64(3),
                             temperature=np.float32(0.0))[0]) == 3

@@ -98,7 +98,7 @@ def test_generate_raises_when_the_pool_cannot_make_progress(path, monkeypatch):
     generate() with an error, not loop: the step guard of the scheduler."""
     from chunklocal.engine.block_manager import BlockManager
 
-    def one_page_short(self, seq, num_new):
+    def one_page_short(self, seq, num_new, hit=None):  # one prompt: no prefix cache hit
         return all(grp.new_pages(seq, g, num_new)
                    <= len(grp.free_blocks) + grp.stale_pages(seq, g) - 1
                    for g, grp in enumerate(self.groups))

@@ -65,7 +65,7 @@ def summary(outputs):
 
 
 def all_free(llm):
-    return (all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+    return (all(g.num_free == g.num_blocks for g in llm.groups)
             and not llm.scheduler.has_work())
 
 

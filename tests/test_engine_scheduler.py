@@ -54,7 +54,7 @@ class FakeRunner:
                      for p in s.block_tables[g][s.first_owned_page[g]:]]
             assert len(owned) == len(set(owned)), "a page owned twice"
             assert not set(owned) & set(grp.free_blocks), "an owned page is free"
-            assert len(owned) + len(grp.free_blocks) == grp.num_blocks, "a page leaked"
+            assert len(owned) + grp.num_free == grp.num_blocks, "a page leaked"
             # The numpy row mirrors the request's list (placeholders included).
             manager = self.scheduler.block_manager
             for s in self.scheduler.running:
@@ -122,7 +122,7 @@ def test_random_workloads_finish_with_right_tokens(lengths, max_new, max_num_seq
     for seq, prompt in zip(seqs, prompts, strict=True):
         assert seq.output_ids == unrolled(prompt, max_new)
     for grp in groups:
-        assert len(grp.free_blocks) == grp.num_blocks
+        assert grp.num_free == grp.num_blocks
 
 
 def test_preemption_happens_and_recovers():
@@ -216,7 +216,7 @@ def test_eos_arriving_as_an_accepted_draft_token_stops_the_request(ignore_eos):
     assert finished == [seq] and seq.status is Status.FINISHED
     assert not scheduler.has_work()
     grp = scheduler.block_manager.groups[0]
-    assert len(grp.free_blocks) == grp.num_blocks
+    assert grp.num_free == grp.num_blocks
 
 
 def test_a_pool_that_cannot_hold_the_next_request_raises_instead_of_spinning():

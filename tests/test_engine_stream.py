@@ -232,7 +232,7 @@ def test_finish_reasons_eos_stop_token_length(llm, scripted):
 
 
 def free_everywhere(llm):
-    return all(len(g.free_blocks) == g.num_blocks for g in llm.groups) and \
+    return all(g.num_free == g.num_blocks for g in llm.groups) and \
         not llm.scheduler.has_work()
 
 

@@ -63,7 +63,7 @@ def test_threads_each_get_their_sequential_greedy_outputs(llm, repeat):
                       num_threads)
     assert got == want
     assert not llm.scheduler.has_work()
-    assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+    assert all(g.num_free == g.num_blocks for g in llm.groups)
 
 
 def test_threads_mixing_generate_prompt_logits_and_sampling(llm):
@@ -158,7 +158,7 @@ def test_a_loop_thread_that_dies_fails_its_clients_instead_of_hanging(tmp_path, 
     monkeypatch.undo()
     assert [len(out) for out in llm.generate(prompts_for(2), max_new_tokens=4,
                                              use_tqdm=False)] == [4, 4, 4]
-    assert all(len(g.free_blocks) == g.num_blocks for g in llm.block_manager.groups)
+    assert all(g.num_free == g.num_blocks for g in llm.block_manager.groups)
 
 
 @pytest.mark.parametrize("call", ["generate", "prompt_logits"])

@@ -92,7 +92,7 @@ def test_gpu_engine_core_threads_equal_sequential_greedy(trained):
                           4, timeout=300)
         assert got == want
     assert llm.runner.graph_steps > 0
-    assert all(len(g.free_blocks) == g.num_blocks for g in llm.groups)
+    assert all(g.num_free == g.num_blocks for g in llm.groups)
 
 
 def test_gpu_seeded_generate_same_batch_twice_and_streams(tmp_path):
@@ -133,4 +133,4 @@ def test_gpu_async_scheduling_same_outputs_and_overlaps(trained):
     got = [o.outputs[0].token_ids for o in overlapped.generate(prompts, params)]
     assert got == [o.outputs[0].token_ids for o in sync.generate(prompts, params)]
     assert sum(launches) > 30
-    assert all(len(g.free_blocks) == g.num_blocks for g in overlapped.groups)
+    assert all(g.num_free == g.num_blocks for g in overlapped.groups)

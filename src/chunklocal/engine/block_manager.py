@@ -14,6 +14,11 @@ request that has to wait or be preempted leaves every pool exactly as it was.
 Each free list is a Python list used as a stack: pages are taken from and
 given back at its end in one slice, never one ``popleft`` per page.
 
+With prefix caching (``prefix_caching=True``, engine/prefix_cache.py) pages are
+shared by reference count: a freed page with a block hash waits in its group's
+evictable set, allocation takes free pages first and then evicts, and an admitted
+request's table starts with the pages of its cache hit (:meth:`lookup`).
+
 Each running request also owns a row of a persistent numpy block table per
 group (``tables[g][seq.row]``), written only when pages change, so a step's
 block table is one fancy-index gather instead of a loop over requests.
@@ -29,6 +34,7 @@ import numpy as np
 import torch
 
 from chunklocal._validate import cdiv
+from chunklocal.engine.prefix_cache import Hit, PageCache, extend_hashes, find_hit
 from chunklocal.engine.sequence import Sequence
 from chunklocal.kv_spec import FullAttentionSpec, chunk_size_of, needs_global_pages
 
@@ -61,6 +67,8 @@ class KVGroup:
         # Reversed so a fresh pool hands out pages 0, 1, 2, ... in order.
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self.peak_used = 0
+        #: Reference counts, hashes and evictable pages (None: prefix caching off).
+        self.cache: PageCache | None = None
 
     @property
     def scratch_page(self) -> int:
@@ -68,8 +76,13 @@ class KVGroup:
         return self.num_blocks
 
     @property
+    def num_free(self) -> int:
+        """Pages an allocation may take: the free stack and the evictable cached pages."""
+        return len(self.free_blocks) + (0 if self.cache is None else len(self.cache.evictable))
+
+    @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free
 
     def stale_pages(self, seq: Sequence, g: int) -> int:
         """Pages of ``seq`` no future query of this group can read (freed next allocation)."""
@@ -85,8 +98,15 @@ class KVGroup:
 
 
 class BlockManager:
-    def __init__(self, groups: list[KVGroup], max_rows: int, max_pages: int):
+    def __init__(self, groups: list[KVGroup], max_rows: int, max_pages: int,
+                 prefix_caching: bool = False):
         self.groups = groups
+        self.prefix_caching = prefix_caching
+        for grp in groups:
+            grp.cache = PageCache(grp.num_blocks) if prefix_caching else None
+        #: Prefix cache statistics in tokens, counted at admission (vLLM's
+        #: prefix_cache_queries / prefix_cache_hits): tokens looked up, tokens found.
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.tables = [np.zeros((max_rows, max_pages), dtype=np.int32) for _ in groups]
         #: By group and table row: ``len(seq.block_tables[g])`` and ``seq.first_owned_page[g]``
         #: (written with them, here only), so a step reads them without a loop over requests.
@@ -99,9 +119,36 @@ class BlockManager:
         rows ``rows`` (each ``seq.row``; a copy)."""
         return self.tables[g][rows, :width]
 
-    def can_allocate(self, seq: Sequence, num_new: int) -> bool:
-        return all(grp.new_pages(seq, g, num_new)
-                   <= len(grp.free_blocks) + grp.stale_pages(seq, g)
+    def lookup(self, seq: Sequence) -> Hit | None:
+        """The cache hit of a request about to be admitted (None: none, or caching off).
+        Requests capturing prompt logits (LLM.prompt_logits) compute every token."""
+        if not self.prefix_caching or seq.num_computed or seq.capture is not None:
+            return None
+        hashes = self._hashes(seq)
+        bs = self.groups[0].block_size
+        return find_hit(self.groups, hashes, min(len(hashes), (len(seq) - 1) // bs))
+
+    def _hashes(self, seq: Sequence) -> list[int]:
+        bs = self.groups[0].block_size
+        if len(seq.block_hashes) < seq.num_prompt_tokens // bs:
+            extend_hashes(seq.block_hashes, seq.token_ids, bs, seq.num_prompt_tokens // bs,
+                          seq.cache_key)
+        return seq.block_hashes
+
+    def _gain(self, grp: KVGroup, seq: Sequence, g: int) -> int:
+        """Pages the stale release of ``seq`` in group ``g`` makes available."""
+        stale = grp.stale_pages(seq, g)
+        if grp.cache is None or not stale:
+            return stale
+        first = seq.first_owned_page[g]
+        return grp.cache.gain(seq.block_tables[g][first:first + stale])
+
+    def can_allocate(self, seq: Sequence, num_new: int, hit: Hit | None = None) -> bool:
+        """Whether :meth:`allocate` (with the same ``hit``) can give ``seq`` its pages."""
+        if hit is not None:  # admission: the hit's revived pages are no longer available
+            return all(cdiv(hit.num_tokens + num_new, grp.block_size) - len(hit.tables[g])
+                       <= grp.num_free - hit.revived[g] for g, grp in enumerate(self.groups))
+        return all(grp.new_pages(seq, g, num_new) <= grp.num_free + self._gain(grp, seq, g)
                    for g, grp in enumerate(self.groups))
 
     def decode_changes(self, seqs: list[Sequence]) -> np.ndarray | None:
@@ -115,7 +162,9 @@ class BlockManager:
         ``free_0 + sum_{i<=k} (stale_i - new_i)`` stays >= 0; every prefix sum checked,
         for every group, means every request of the loop would have succeeded.  Requests
         with no change are no-ops of :meth:`allocate` (they hold a row already, so the
-        row mirrors ``num_pages`` / ``first_owned`` hold their state).
+        row mirrors ``num_pages`` / ``first_owned`` hold their state).  With prefix caching
+        a stale page may be shared (it frees nothing), so stale pages count as no gain: a
+        check that is only stricter, and a decode never hashes its pages.
         """
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         num_computed = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
@@ -124,49 +173,104 @@ class BlockManager:
             owned = self.num_pages[g, rows]
             new = np.maximum(0, -(-(num_computed + 1) // grp.block_size) - owned)
             stale = np.zeros_like(new)
+            gain = stale
             if grp.chunk_size is not None:
                 chunk_page = (num_computed // grp.chunk_size) * grp.chunk_size // grp.block_size
                 stale = np.maximum(0, np.minimum(chunk_page, owned) - self.first_owned[g, rows])
-            if (len(grp.free_blocks) + np.cumsum(stale - new)).min(initial=0) < 0:
+                gain = stale if grp.cache is None else gain
+            if (grp.num_free + np.cumsum(gain - new)).min(initial=0) < 0:
                 return None
             changes |= (new > 0) | (stale > 0)
         return np.flatnonzero(changes)
 
-    def allocate(self, seq: Sequence, num_new: int) -> None:
-        """Give ``seq`` pages for positions up to ``num_computed + num_new``.
+    def allocate(self, seq: Sequence, num_new: int, hit: Hit | None = None) -> None:
+        """Give ``seq`` pages for positions up to ``num_computed + num_new`` (with ``hit``,
+        an admission: ``num_computed`` becomes ``hit.num_tokens`` first).
 
-        Precondition: ``can_allocate(seq, num_new)`` (not re-checked here).
+        Precondition: ``can_allocate(seq, num_new, hit)`` (not re-checked here).
         """
         if seq.row is None:
             seq.row = self.free_rows.popleft()
+            if self.prefix_caching:
+                self._admit(seq, hit)
+            elif seq.num_cached_tokens is None:
+                seq.num_cached_tokens = 0
         for g, grp in enumerate(self.groups):
             table, row = seq.block_tables[g], self.tables[g][seq.row]
             stale = grp.stale_pages(seq, g)
             first = seq.first_owned_page[g]
             if stale:
-                grp.free_blocks.extend(table[first:first + stale])
+                if grp.cache is None:
+                    grp.free_blocks.extend(table[first:first + stale])
+                else:
+                    grp.cache.release(grp.free_blocks, table[first:first + stale])
                 table[first:first + stale] = [0] * stale  # placeholders: never read, see Sequence
                 row[first:first + stale] = 0
             seq.first_owned_page[g] = first + stale
             start, count = len(table), grp.new_pages(seq, g, num_new)
             if count:
                 free = grp.free_blocks
-                table.extend(free[:-count - 1:-1])
-                del free[-count:]
+                if grp.cache is None:
+                    table.extend(free[:-count - 1:-1])
+                    del free[-count:]
+                else:
+                    table.extend(grp.cache.take(free, count))
                 row[start:start + count] = table[start:]
             self.num_pages[g, seq.row] = len(table)
             self.first_owned[g, seq.row] = seq.first_owned_page[g]
             grp.peak_used = max(grp.peak_used, grp.num_used)
+        if self.prefix_caching and seq.num_registered < len(seq.block_hashes):
+            self._register(seq, num_new)
+
+    def _admit(self, seq: Sequence, hit: Hit | None) -> None:
+        """Statistics, and the hit's pages shared into ``seq``'s (empty) tables."""
+        cached = 0 if hit is None else hit.num_tokens
+        self.prefix_cache_queries += len(seq)
+        self.prefix_cache_hits += cached
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = cached
+        self._hashes(seq)
+        if hit is None:
+            return
+        for g, grp in enumerate(self.groups):
+            table, first = list(hit.tables[g]), hit.first[g]
+            assert grp.cache is not None
+            grp.cache.share(table[first:])
+            seq.block_tables[g], seq.first_owned_page[g] = table, first
+            self.tables[g][seq.row, :len(table)] = table
+        seq.num_computed = hit.num_tokens  # whole blocks
+        seq.num_registered = hit.num_tokens // self.groups[0].block_size
+
+    def _register(self, seq: Sequence, num_new: int) -> None:
+        """Hash the prompt's blocks this step fills (their KV is written this step)."""
+        bs, hashes = self.groups[0].block_size, seq.block_hashes
+        end = min(len(hashes), (seq.num_computed + num_new) // bs)
+        for g, grp in enumerate(self.groups):
+            cache, table = grp.cache, seq.block_tables[g]
+            assert cache is not None
+            for j in range(max(seq.num_registered, seq.first_owned_page[g]), end):
+                cache.register(table[j], hashes[j])
+        seq.num_registered = max(seq.num_registered, end)
+
+    def reset_cache(self) -> None:
+        """Forget every block hash (call with no page in use: after a failed step)."""
+        for grp in self.groups:
+            if grp.cache is not None:
+                grp.cache.reset(grp.free_blocks)
 
     def free(self, seq: Sequence) -> None:
         for g, grp in enumerate(self.groups):
             table = seq.block_tables[g]
-            grp.free_blocks.extend(table[seq.first_owned_page[g]:])
+            if grp.cache is None:
+                grp.free_blocks.extend(table[seq.first_owned_page[g]:])
+            else:
+                grp.cache.release(grp.free_blocks, table[seq.first_owned_page[g]:])
             seq.block_tables[g] = []
             seq.first_owned_page[g] = 0
             if seq.row is not None:
                 self.tables[g][seq.row] = 0
                 self.num_pages[g, seq.row] = self.first_owned[g, seq.row] = 0
+        seq.num_registered = 0
         if seq.row is not None:
             self.free_rows.append(seq.row)
             seq.row = None

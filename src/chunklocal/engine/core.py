@@ -30,6 +30,7 @@ import uuid
 import weakref
 from collections import deque
 
+from chunklocal.engine.prefix_cache import salt_key
 from chunklocal.engine.requests import check_prompt_ids
 from chunklocal.engine.sampler import sampling_row
 from chunklocal.engine.sampling import SamplingParams
@@ -100,16 +101,19 @@ class EngineCore:
             return None
 
     def add_request(self, prompt_token_ids, params: SamplingParams, request_id=None,
-                    prompt: str | None = None, *, detokenize: bool = True) -> RequestStream:
+                    prompt: str | None = None, *, detokenize: bool = True,
+                    cache_salt: str | None = None) -> RequestStream:
         """Queue a request; its stream.  ValueError names the request and the bad value
         (nothing changes); QueueFullError when ``max_waiting_requests`` wait already."""
-        req = self.make_request(prompt_token_ids, params, request_id, prompt, detokenize)
+        req = self.make_request(prompt_token_ids, params, request_id, prompt, detokenize,
+                                cache_salt=cache_salt)
         return self.submit([req], check_queue=True)[0]
 
     def make_request(self, prompt_token_ids, params, request_id=None, prompt=None,
                      detokenize: bool = True, *, capture: str | None = None,
-                     apply_defaults: bool = True) -> Request:
-        """A checked request, not yet queued (``submit`` queues it)."""
+                     apply_defaults: bool = True, cache_salt: str | None = None) -> Request:
+        """A checked request, not yet queued (``submit`` queues it); ``cache_salt``: only
+        requests of the same salt share prefix-cache KV."""
         rid = f"req-{uuid.uuid4().hex}" if request_id is None else str(request_id)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {rid}: params must be a SamplingParams, got "
@@ -146,10 +150,15 @@ class EngineCore:
         req = Request(rid, ids, params, prompt, time.monotonic())
         req.stream._abort = functools.partial(_abort_weakly, weakref.ref(self), rid)
         groups = len(self.llm.groups)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"request {rid}: cache_salt must be a str, got {cache_salt!r}")
+        hashes: list[int] = []  # the samples share the prompt's block hashes
+        key = salt_key(cache_salt)
         for i in range(params.n):
             child = params if params.seed is None or params.n == 1 else params.replace(
                 seed=params.seed + i, n=1)
             seq = Sequence(next(self._seq_ids), ids, child, groups)
+            seq.block_hashes, seq.cache_key = hashes, key
             sample = Sample(req, i, child, tokenizer, seq)
             seq.sampling_row, seq.capture, seq.sample = sampling_row(child), capture, sample
             req.samples.append(sample)
@@ -214,7 +223,9 @@ class EngineCore:
                     peak_virtual_batches=self.llm.runner.peak_virtual_batches,
                     prompt_tokens_total=self.prompt_tokens_total,
                     generation_tokens_total=self.generation_tokens_total,
-                    num_preemptions_total=self.scheduler.num_preemptions)
+                    num_preemptions_total=self.scheduler.num_preemptions,
+                    prefix_cache_queries_total=self.scheduler.block_manager.prefix_cache_queries,
+                    prefix_cache_hits_total=self.scheduler.block_manager.prefix_cache_hits)
 
     # -- internals -------------------------------------------------------------------------------
     def _check_prompt(self, rid, prompt_token_ids) -> list[int]:

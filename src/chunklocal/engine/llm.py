@@ -54,6 +54,8 @@ class LLM(OwnsWorkers):
     for admission in ``llm.core`` before add_request refuses (None: no limit).
     ``async_scheduling``: prepare step n+1 on the host while the device runs step n
     (engine/overlap.py; off with speculative decoding or penalties), same outputs.
+    ``enable_prefix_caching``: reuse the KV of cached full prompt blocks (vLLM's default
+    on; engine/prefix_cache.py), same outputs; False computes every prompt token.
 
     Everything is checked before any weight loads: config.json (and
     generation_config.json, whose EOS ids stop generation too), the tensors' names,
@@ -83,7 +85,8 @@ class LLM(OwnsWorkers):
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto",
                  generation_config="auto", max_waiting_requests=None,
-                 async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp"):
+                 async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp",
+                 enable_prefix_caching=True):
         self.model_dir = check_model(model)
         args = check_arguments(
             device=device, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -93,7 +96,9 @@ class LLM(OwnsWorkers):
             hybrid_kv_cache=hybrid_kv_cache, num_speculative_tokens=num_speculative_tokens,
             seed=seed, load_format=load_format, generation_config=generation_config,
             max_waiting_requests=max_waiting_requests, async_scheduling=async_scheduling,
-            tensor_parallel_size=tensor_parallel_size, moe_parallel=moe_parallel)
+            tensor_parallel_size=tensor_parallel_size, moe_parallel=moe_parallel,
+            enable_prefix_caching=enable_prefix_caching)
+        self.enable_prefix_caching = args["enable_prefix_caching"]
         dtype, self.device, seed = args["dtype"], args["device"], args["seed"]
         cuda_graphs, hybrid_kv_cache = args["cuda_graphs"], args["hybrid_kv_cache"]
         max_model_len, num_kv_blocks = args["max_model_len"], args["num_kv_blocks"]
@@ -159,7 +164,8 @@ class LLM(OwnsWorkers):
             max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
                                        self.max_model_len) if chunk else self.max_num_seqs)
         self.block_manager = BlockManager(groups, self.max_num_seqs,
-                                          cdiv(self.max_model_len, self.block_size))
+                                          cdiv(self.max_model_len, self.block_size),
+                                          self.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.num_speculative_tokens, pad_drafts=self.cuda_graphs)

@@ -53,7 +53,7 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
                     block_size, num_kv_blocks, attention_backend, cuda_graphs,
                     hybrid_kv_cache, num_speculative_tokens, seed, load_format,
                     generation_config, max_waiting_requests, async_scheduling,
-                    tensor_parallel_size, moe_parallel) -> dict:
+                    tensor_parallel_size, moe_parallel, enable_prefix_caching=True) -> dict:
     """Every argument but ``model``, checked by itself; returns them normalised (ints as
     int, the device as a torch.device, the dtype as a torch.dtype or None)."""
     out = dict(
@@ -73,7 +73,8 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
     if not isinstance(moe_parallel, str) or moe_parallel not in MOE_PARALLEL:
         raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {moe_parallel!r}")
     for name, value in (("cuda_graphs", cuda_graphs), ("hybrid_kv_cache", hybrid_kv_cache),
-                        ("async_scheduling", async_scheduling)):
+                        ("async_scheduling", async_scheduling),
+                        ("enable_prefix_caching", enable_prefix_caching)):
         out[name] = as_bool(value, name)
     if as_int(num_speculative_tokens, "num_speculative_tokens") < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")

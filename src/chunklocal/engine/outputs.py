@@ -49,3 +49,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    #: Prompt tokens whose KV came from the prefix cache (vLLM's field; OpenAI's
+    #: usage.prompt_tokens_details.cached_tokens): sample 0's at its first admission,
+    #: None before it is admitted (0 with caching off).
+    num_cached_tokens: int | None = None

@@ -4,9 +4,11 @@ Per step, under ``max_num_seqs`` running requests and ``max_num_batched_tokens``
 query tokens: decodes first (each with its prompt-lookup draft, if speculative
 decoding is on), then prefills already under way, then new admissions.  A
 prefill longer than the remaining budget is split anywhere, also mid-chunk.
-Admission waits while pages are short; a running request that cannot get pages
-preempts the most recently admitted unscheduled request (its KV is dropped and
-recomputed later, its tokens are kept), so nothing is ever lost.
+Admission first looks the request's prompt up in the prefix cache (engine/prefix_cache.py)
+and computes only what is not cached.  Admission waits while pages are short; a
+running request that cannot get pages preempts the most recently admitted unscheduled
+request (its KV is dropped and recomputed later, its tokens are kept), so nothing is
+ever lost.
 
 Progress is checked, so a pool that cannot serve its requests fails instead of
 looping: ``schedule()`` raises RuntimeError when it can schedule nothing while
@@ -108,6 +110,7 @@ class Scheduler:
             seq.status = Status.FINISHED
         self.running.clear()
         self.waiting.clear()
+        self.block_manager.reset_cache()  # the failed step's KV may be half written
         self.tokens_left = self.steps_without_token = 0
         return dropped
 
@@ -192,10 +195,11 @@ class Scheduler:
                 budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed, budget)
-            if not self.block_manager.can_allocate(seq, num_new):
+            hit = self.block_manager.lookup(seq)  # prefix cache: None when off or no hit
+            num_new = min(seq.num_uncomputed - (0 if hit is None else hit.num_tokens), budget)
+            if not self.block_manager.can_allocate(seq, num_new, hit):
                 break  # admission waits for pages
-            self.block_manager.allocate(seq, num_new)
+            self.block_manager.allocate(seq, num_new, hit)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -208,7 +212,7 @@ class Scheduler:
         self.steps_without_token += 1
         if batch.seqs and self.steps_without_token <= 2 * self.tokens_left:
             return
-        free = [len(grp.free_blocks) for grp in self.block_manager.groups]
+        free = [grp.num_free for grp in self.block_manager.groups]
         state = (f"{len(self.waiting)} waiting, {len(self.running)} running, "
                  f"{self.num_preemptions} preemptions so far, free KV blocks per group {free}")
         if not batch.seqs:

@@ -49,6 +49,14 @@ class Sequence:
         self.first_owned_page = [0] * num_groups
         #: Row of the block manager's numpy tables while the request holds pages.
         self.row: int | None = None
+        #: Prefix caching (engine/prefix_cache.py): hashes of the prompt's full blocks
+        #: (shared by the samples of one request), how many of them are registered in
+        #: the cache, the extra hash key (cache_salt), and the prompt tokens found
+        #: cached at the first admission (None before it).
+        self.block_hashes: list[int] = []
+        self.num_registered = 0
+        self.cache_key = 0
+        self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted = 0

@@ -88,7 +88,8 @@ class Request:
     def snapshot(self) -> RequestOutput:
         # prompt_token_ids is shared, not copied per snapshot: treat it as read-only.
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [s.output() for s in self.samples], self.finished, self.metrics())
+                             [s.output() for s in self.samples], self.finished, self.metrics(),
+                             self.samples[0].seq.num_cached_tokens if self.samples else None)
 
 
 class RequestStream:
