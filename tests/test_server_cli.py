@@ -45,6 +45,9 @@ def test_vllm_flag_names():
     assert args.num_kv_blocks == 77 and args.cuda_graphs is False
     assert args.hybrid_kv_cache is False and args.served_model_name == ["a", "b"]
     assert parse("m", "--num-kv-blocks", "5")[1].num_kv_blocks == 5
+    assert serve_cli.llm_kwargs(parse("m")[1])["enable_prefix_caching"] is True
+    off = serve_cli.llm_kwargs(parse("m", "--no-enable-prefix-caching")[1])
+    assert off["enable_prefix_caching"] is False
     assert parse("m")[1].host == "127.0.0.1"
 
 

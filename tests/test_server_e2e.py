@@ -241,6 +241,27 @@ def test_logprobs_match_the_offline_logits(server, llm, ckpt):
                 torch.topk(ref[i], k).values.tolist(), abs=1e-4)
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(server, llm):
+    """Prefix caching is on by default: the second identical prompt is served from the
+    cache (whole blocks of 4, at least one prompt token computed), with the same text."""
+    client, model = server.client(), str(server_ckpt(server))
+    prompt = text_prompt(11, 50)
+    before = server.metrics()
+    first, second = (client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                               **GREEDY) for _ in range(2))
+    assert first.choices[0].text == second.choices[0].text
+    n = second.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 4 * 4 > 0
+    assert first.usage.prompt_tokens_details.cached_tokens < n - 4  # nothing of its own yet
+    after = server.metrics()
+    hits = after["vllm:prefix_cache_hits_total"] - before.get("vllm:prefix_cache_hits_total", 0)
+    assert hits >= (n - 1) // 4 * 4
+    chunks = [list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=4,
+        stream=True, stream_options={"include_usage": True}, **GREEDY)) for _ in range(2)]
+    assert chunks[1][-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_bad_requests_get_400_and_the_server_keeps_serving(server):
     client, model = server.client(), server_ckpt(server)
     bad = [dict(model="no-such-model", prompt="hi"),

@@ -94,7 +94,8 @@ def test_completion_stream_equals_non_stream(serve, tokenizer):
     assert whole["choices"][0]["text"] == tokenizer.decode(expected)
     assert whole["choices"][0]["finish_reason"] == "length"
     assert whole["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 9,
-                              "total_tokens": len(ids) + 9}
+                              "total_tokens": len(ids) + 9,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert whole["object"] == "text_completion" and whole["model"] == "tiny"
     chunks = _sse(s.post("/v1/completions", {**body, "stream": True,
                                              "stream_options": {"include_usage": True}}).text)

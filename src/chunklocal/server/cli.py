@@ -32,7 +32,7 @@ LLM_FLAGS = {
     "hybrid_kv_cache": "hybrid_kv_cache", "num_speculative_tokens": "num_speculative_tokens",
     "seed": "seed", "generation_config": "generation_config",
     "max_waiting_requests": "max_waiting_requests", "load_format": "load_format",
-    "async_scheduling": "async_scheduling",
+    "async_scheduling": "async_scheduling", "enable_prefix_caching": "enable_prefix_caching",
     "tensor_parallel_size": "tensor_parallel_size", "moe_parallel": "moe_parallel",
 }
 # Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
@@ -139,6 +139,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--moe-parallel", default="tp", choices=["tp", "ep"],
                    help="MoE experts split inside each expert (tp) or by expert (ep) "
                    "(default tp)")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of cached prompt prefixes (vLLM's flag; default on)")
     e.add_argument("--async-scheduling", action="store_true",
                    help="prepare step n+1 on the host while the device runs step n (vLLM's "
                    "flag; off with speculative decoding or penalties; default off)")

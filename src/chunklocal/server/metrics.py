@@ -47,7 +47,11 @@ class _EngineCollector:
                                ("generation_tokens", "tokens generated",
                                 "generation_tokens_total"),
                                ("num_preemptions", "requests preempted (KV dropped, to be "
-                                "recomputed)", "num_preemptions_total")):
+                                "recomputed)", "num_preemptions_total"),
+                               ("prefix_cache_queries", "prompt tokens looked up in the prefix "
+                                "cache", "prefix_cache_queries_total"),
+                               ("prefix_cache_hits", "prompt tokens the prefix cache served",
+                                "prefix_cache_hits_total")):
             yield self._family(CounterMetricFamily, _VLLM + name, doc, stats.get(key, 0))
         yield GaugeMetricFamily(_OWN + "peak_virtual_batches",
                                 "most virtual batches in one step so far",

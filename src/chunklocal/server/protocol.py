@@ -179,10 +179,15 @@ class TokenizeResponse(BaseModel):
 FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache, not computed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

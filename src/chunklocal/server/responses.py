@@ -25,6 +25,7 @@ from chunklocal.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -80,8 +81,11 @@ def chat_logprobs(tok: TokenText, ids, entries, k: int) -> ChatLogprobs:
 def usage_of(finals) -> Usage:
     prompt = sum(len(f.prompt_token_ids) for f in finals)
     completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+    # Prompt tokens the prefix cache served (None before a request is admitted: 0).
+    cached = sum(getattr(f, "num_cached_tokens", None) or 0 for f in finals)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion)
+                 total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def completion_response(rid, model, finals, n, tok: TokenText, k) -> CompletionResponse:
