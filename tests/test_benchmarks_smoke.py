@@ -314,3 +314,17 @@ def test_prefill_flops_count_every_visible_query_key_pair(prompt_len, chunk, kin
                 if kind is Kind.GLOBAL or k // chunk == p // chunk)
     lm_head = 2.0 * 10 * 4
     assert prefill_flops(config, layer_kinds, prompt_len, 0, 0) == 4 * 3 * 8 * pairs + lm_head
+
+
+def test_prefix_chat_smoke(tmp_path):
+    """The chat workload runs with caching on and off; the shared system prompt and the
+    earlier turns are served from the cache only with caching on."""
+    from benchmarks import prefix_chat
+
+    assert prefix_chat.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "prefix_chat_smoke.json")
+    cached = {on: sum(r["cached_tokens"] for r in data["chat"] if r["caching"] is on)
+              for on in (True, False)}
+    assert cached[False] == 0 and cached[True] > 0
+    warm = [r for r in data["cached_prefix"] if r["caching"]]
+    assert warm and all(r["warm_cached_tokens"] == 128 for r in warm)
