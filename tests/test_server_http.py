@@ -12,12 +12,12 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-import uvicorn  # noqa: E402
 from fake_core import FakeCore, FakeParams, QueueFullError  # noqa: E402
+from server_harness import serve_state  # noqa: E402
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 from chunklocal.server import generate  # noqa: E402
-from chunklocal.server.app import ServerConfig, ServerState, build_app  # noqa: E402
+from chunklocal.server.app import ServerConfig, ServerState  # noqa: E402
 from chunklocal.server.params import ServeLimits  # noqa: E402
 
 
@@ -28,17 +28,6 @@ def tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok")
     write_tiny_tokenizer(path)
     return AutoTokenizer.from_pretrained(str(path))
-
-
-class Served:
-    def __init__(self, state, server, thread):
-        self.state, self.server, self.thread = state, server, thread
-        port = server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.client = httpx.Client(base_url=self.url, timeout=10)
-
-    def post(self, path, body, **kw):
-        return self.client.post(path, json=body, **kw)
 
 
 @pytest.fixture
@@ -52,22 +41,13 @@ def serve(monkeypatch):
                                          limits or ServeLimits()))
         if core is not None:
             state.set_core(core)
-        server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=0,
-                                               log_level="warning", lifespan="off"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.time() + 10
-        while not server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.01)
-        served = Served(state, server, thread)
+        served = serve_state(state)
         started.append(served)
         return served
 
     yield start
     for s in started:
-        s.server.should_exit = True
-        s.thread.join(10)
+        s.stop()
 
 
 def _error(resp, status, param=None):

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
-import time
 
 import httpx
 import pytest
@@ -18,12 +16,12 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 import fake_core  # noqa: E402
-import uvicorn  # noqa: E402
 from fake_core import FakeCore, FakeParams, FakeStream, Out, QueueFullError, ReqOut  # noqa: E402
+from server_harness import serve_state  # noqa: E402
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 from chunklocal.server import generate  # noqa: E402
-from chunklocal.server.app import ServerConfig, ServerState, build_app  # noqa: E402
+from chunklocal.server.app import ServerConfig, ServerState  # noqa: E402
 from chunklocal.server.params import ServeLimits  # noqa: E402
 from chunklocal.server.tool_choice import AUTO_NEEDS_FLAGS  # noqa: E402
 
@@ -117,15 +115,8 @@ def serve(monkeypatch, tokenizer):
                                          enable_auto_tool_choice=auto,
                                          tool_call_parser=parser, **config))
         state.set_core(core)
-        server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=0,
-                                               log_level="warning", lifespan="off"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.time() + 10
-        while not server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.01)
-        served = Served(core, server, thread)
+        running = serve_state(state)
+        served = Served(core, running.server, running.thread)
         started.append(served)
         return served
 
