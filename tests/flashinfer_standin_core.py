@@ -265,11 +265,12 @@ def attention(q, k_cache, v_cache, qo, kv_indptr, indices, last, causal: bool,
 
 
 def finish(o: torch.Tensor, v_scale, dtype: torch.dtype, out):
-    """run()'s epilogue: out *= v_scale (0.7.2 scales the output, not V), cast, write out."""
+    """run()'s epilogue as in 0.7.2: the kernel writes o in the output dtype, then
+    ``out *= v_scale`` (skipped for exactly 1.0; the output is scaled, not V)."""
     v_scale = check_scalar("v_scale", v_scale)
-    if v_scale is not None:
-        o = o * v_scale
     result = o.to(dtype)
+    if v_scale is not None and v_scale != 1.0:
+        result = result * v_scale
     return result if out is None else out.copy_(result)
 
 

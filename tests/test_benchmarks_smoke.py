@@ -185,8 +185,9 @@ def test_decode_ab_smoke(tmp_path):
 
 def test_decode_trace_counts_files_to_the_kernel(tmp_path):
     """The decode-path trace reaches the kernel; issue 15 measured 11 files on the CPU path,
-    the engine core (issue 13: a loop thread, streams, per-request sampling) made it 17
-    (BENCHMARKS.md): a change that adds a hop should say why."""
+    the engine core (issue 13: a loop thread, streams, per-request sampling) made it 17,
+    prefix caching (the prompt's block hashes at admission) 18 and the KV-cache dtype check
+    before each layer's write 19 (BENCHMARKS.md): a change that adds a hop should say why."""
     from benchmarks import decode_trace
 
     decode_trace.write_checkpoint(tmp_path)
@@ -195,7 +196,7 @@ def test_decode_trace_counts_files_to_the_kernel(tmp_path):
     assert files[0] == "chunklocal/engine/llm.py"
     assert {"chunklocal/reference.py", "chunklocal/models/llama4.py",
             "chunklocal/backends/torch_ref.py"} <= set(files)
-    assert result["count"] == len(files) <= 17
+    assert result["count"] == len(files) <= 19
 
 def test_engine_core_smoke(tmp_path):
     """benchmarks/engine_core.py: step breakdown, sampling cases and the sampler alone."""

@@ -14,7 +14,8 @@ MAX_LINES = 350
 # Floors, top to bottom: a module may import its own floor or any floor below it.
 FLOORS = [("chunklocal.cli", "chunklocal.server"), ("chunklocal.engine",), ("chunklocal.models",),
           ("chunklocal.backends",), ("chunklocal.bounds", "chunklocal.reference"),
-          ("chunklocal.virtual_batches", "chunklocal.kv_spec"), ("chunklocal._validate",)]
+          ("chunklocal.virtual_batches", "chunklocal.kv_spec", "chunklocal.kv_quant"),
+          ("chunklocal._validate",)]
 
 
 def floor_of(module: str) -> int:

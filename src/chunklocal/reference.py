@@ -259,14 +259,18 @@ def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def run_paged_attention(plan: PagedAttentionPlan, q, k_cache, v_cache,
-                        scale=None) -> torch.Tensor:
+                        scale=None, *, k_scale=None, v_scale=None) -> torch.Tensor:
     """One layer's attention over a plan: tensor math only, one pass per planned group.
 
     ``q`` [T, Hq, D]; caches [num_pages, block_size, Hkv, D] on the plan's device.
-    Returns [T, Hq, D] in ``q.dtype``; rows no planned row covers are zero.
+    Returns [T, Hq, D] in ``q.dtype``; rows no planned row covers are zero.  FP8
+    pages (kv_quant.py) are dequantized as they are gathered: ``float(page) * k_scale``
+    (``v_scale``), a scale of None reading as 1.
     """
     _check_tensors(q, k_cache, v_cache)
     _check_against_plan(plan, q, k_cache)
+    k_scale = 1.0 if k_scale is None else float(k_scale)
+    v_scale = 1.0 if v_scale is None else float(v_scale)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scale = softmax_scale(head_dim) if scale is None else float(scale)
@@ -277,6 +281,8 @@ def run_paged_attention(plan: PagedAttentionPlan, q, k_cache, v_cache,
     for group in plan.groups:
         k = _gather(flat_k, group.key_slots).to(compute).permute(0, 2, 1, 3)  # [g, Hkv, k, D]
         v = _gather(flat_v, group.key_slots).to(compute).permute(0, 2, 1, 3)
+        if k_scale != 1.0 or v_scale != 1.0:
+            k, v = k * k_scale, v * v_scale
         qg = _gather(q, group.q_rows).to(compute).permute(0, 2, 1, 3)         # [g, Hq, q, D]
         mask = group.mask
         if mask is None:

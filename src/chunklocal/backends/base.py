@@ -63,11 +63,13 @@ class AttentionBackend(Protocol):
         raise ValueError."""
 
     def forward(self, metadata: Any, q: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, scale: float, *,
-                kind: Kind | None = None) -> torch.Tensor:
+                v_cache: torch.Tensor, scale: float, *, kind: Kind | None = None,
+                k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
         """q [tokens, Hq, D]; caches [num_pages, block_size, Hkv, D] (NHD); -> [tokens, Hq, D].
 
         ``kind`` picks the layer kind in a group read by both (required there).
+        ``k_scale`` / ``v_scale``: the dequantization scales of FP8 (e4m3) caches
+        (chunklocal/kv_quant.py); passed only with such caches.
         """
 
 

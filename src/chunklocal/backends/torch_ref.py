@@ -64,7 +64,10 @@ class TorchRefBackend:
                          f"(batch size {batch_size}, query length {query_len})")
 
     def forward(self, metadata: dict[Kind, PagedAttentionPlan], q, k_cache, v_cache,
-                scale: float, *, kind: Kind | None = None):
+                scale: float, *, kind: Kind | None = None, k_scale: float | None = None,
+                v_scale: float | None = None):
+        """``k_scale`` / ``v_scale``: FP8 pages' dequantization scales (kv_quant.py)."""
         if kind not in metadata:  # the engine always passes a kind its group has
             kind = pick_kind(self.kinds, kind)
-        return run_paged_attention(metadata[kind], q, k_cache, v_cache, scale)
+        return run_paged_attention(metadata[kind], q, k_cache, v_cache, scale,
+                                   k_scale=k_scale, v_scale=v_scale)

@@ -18,6 +18,7 @@ from chunklocal.engine.runner_setup import RunnerSetup, build_runner
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.stats import GenerateStats
 from chunklocal.engine.workers import OwnsWorkers, start_workers
+from chunklocal.kv_quant import cache_dtype
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 from chunklocal.models.llama4_config import generation_eos, layer_kind, read_config
 from chunklocal.models.loader import load_model, plan_load
@@ -86,7 +87,7 @@ class LLM(OwnsWorkers):
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto",
                  generation_config="auto", max_waiting_requests=None,
                  async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp",
-                 enable_prefix_caching=True):
+                 enable_prefix_caching=True, kv_cache_dtype="auto"):
         self.model_dir = check_model(model)
         args = check_arguments(
             device=device, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -97,7 +98,7 @@ class LLM(OwnsWorkers):
             seed=seed, load_format=load_format, generation_config=generation_config,
             max_waiting_requests=max_waiting_requests, async_scheduling=async_scheduling,
             tensor_parallel_size=tensor_parallel_size, moe_parallel=moe_parallel,
-            enable_prefix_caching=enable_prefix_caching)
+            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype)
         self.enable_prefix_caching = args["enable_prefix_caching"]
         dtype, self.device, seed = args["dtype"], args["device"], args["seed"]
         cuda_graphs, hybrid_kv_cache = args["cuda_graphs"], args["hybrid_kv_cache"]
@@ -139,6 +140,7 @@ class LLM(OwnsWorkers):
             dtype = ckpt.dtype if ckpt.dtype in (torch.float16, torch.bfloat16) \
                 else torch.bfloat16
         kv_dtype = dtype or ckpt.dtype or torch.float32
+        self.kv_cache_dtype = args["kv_cache_dtype"]  # pages: kv_dtype, or e4m3 ("fp8")
         self.cuda_graphs = self.cuda_graphs and backend_name == "flashinfer"
         eos = set(ckpt.eos_token_ids)
         if load_format != "dummy":  # dummy weights: nothing but config.json is read
@@ -148,7 +150,8 @@ class LLM(OwnsWorkers):
         # headers only, all checked; with N ranks, rank 0's slices (every rank's size)
         plan = plan_load(self.model_dir, ckpt, load_format, TPGroup(0, n, None, moe_parallel))
         self.layer_kinds = [layer_kind(config, i) for i in range(config.num_hidden_layers)]
-        specs = {kind: self._spec(kind, kv_dtype) for kind in set(self.layer_kinds)}
+        specs = {kind: self._spec(kind, cache_dtype(self.kv_cache_dtype, kv_dtype))
+                 for kind in set(self.layer_kinds)}
         if n > 1:  # the ranks start (and report their free memory) before any weight loads
             self.workers = start_workers(n, self.model_dir, self.device, kv_dtype,
                                          moe_parallel, load_format, seed)

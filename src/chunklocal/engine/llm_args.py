@@ -16,6 +16,7 @@ from chunklocal._validate import as_bool, as_int
 from chunklocal.backends.factory import BACKENDS
 from chunklocal.engine.requests import check_device, torch_dtype
 from chunklocal.engine.sampling import generation_config_defaults
+from chunklocal.kv_quant import check_kv_cache_dtype
 from chunklocal.models.loader import LOAD_FORMATS
 from chunklocal.models.sharding import MOE_PARALLEL
 
@@ -53,7 +54,8 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
                     block_size, num_kv_blocks, attention_backend, cuda_graphs,
                     hybrid_kv_cache, num_speculative_tokens, seed, load_format,
                     generation_config, max_waiting_requests, async_scheduling,
-                    tensor_parallel_size, moe_parallel, enable_prefix_caching=True) -> dict:
+                    tensor_parallel_size, moe_parallel, enable_prefix_caching=True,
+                    kv_cache_dtype="auto") -> dict:
     """Every argument but ``model``, checked by itself; returns them normalised (ints as
     int, the device as a torch.device, the dtype as a torch.dtype or None)."""
     out = dict(
@@ -69,6 +71,7 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
         attention_backend=_choice(attention_backend, "attention_backend",
                                   ("auto",) + BACKENDS),
         load_format=_choice(load_format, "load_format", LOAD_FORMATS),
+        kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype),
     )
     if not isinstance(moe_parallel, str) or moe_parallel not in MOE_PARALLEL:
         raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {moe_parallel!r}")

@@ -29,6 +29,7 @@ from chunklocal.engine.block_manager import BlockManager
 from chunklocal.engine.cuda_graphs import CudaGraphs
 from chunklocal.engine.sampler import DeviceSample, Sampler, SampleResult, to_device
 from chunklocal.engine.scheduler import ScheduledBatch
+from chunklocal.kv_quant import is_fp8
 from chunklocal.virtual_batches import virtual_batches_per_request
 
 
@@ -112,8 +113,10 @@ class ModelRunner:
             g = self.kind_to_group[attn.kind]
             shape = (self.groups[g].num_blocks + 1, self.block_size, attn.num_kv_heads,
                      attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+            dtype = self.groups[g].spec.dtype  # e4m3 pages: kv_cache_dtype="fp8"
+            dtype = dtype if is_fp8(dtype) else kv_dtype
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         seqs = batch.seqs

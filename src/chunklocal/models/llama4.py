@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from chunklocal.backends.base import AttentionStep, Kind
+from chunklocal.kv_quant import is_fp8, write_fp8
 from chunklocal.kv_spec import softmax_scale
 from chunklocal.models.llama4_config import (  # noqa: F401  (load_text_config: re-exported)
     activation,
@@ -109,6 +110,8 @@ class Attention(nn.Module):
         # Paged caches [num_blocks, block_size, Hkv, D], bound by the model runner.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # Dequantization scales of FP8 pages (kv_cache_dtype="fp8"; chunklocal/kv_quant.py).
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def forward(self, x, positions, freqs_cis, step: AttentionStep):
         t = x.shape[0]
@@ -131,10 +134,17 @@ class Attention(nn.Module):
                                "one before the first forward)")
         flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
-        out = step.backend.forward(step.metadata, q, k_cache, v_cache, self.scale,
-                                   kind=step.kind)
+        if is_fp8(k_cache):  # quantized here, dequantized by the backend
+            write_fp8(flat_k, step.slot_mapping, k, self.k_scale)
+            write_fp8(flat_v, step.slot_mapping, v, self.v_scale)
+            out = step.backend.forward(step.metadata, q, k_cache, v_cache, self.scale,
+                                       kind=step.kind, k_scale=self.k_scale,
+                                       v_scale=self.v_scale)
+        else:
+            flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
+            flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
+            out = step.backend.forward(step.metadata, q, k_cache, v_cache, self.scale,
+                                       kind=step.kind)
         out = self.o_proj(out.reshape(t, -1).to(x.dtype))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 

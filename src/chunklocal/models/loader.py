@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from chunklocal.models.checkpoint import (
     open_safetensors,
     read_headers,
 )
+from chunklocal.models.kv_scales import apply_kv_scales, split_kv_scales
 from chunklocal.models.llama4 import Llama4ForCausalLM
 from chunklocal.models.llama4_config import CheckpointConfig, read_config
 from chunklocal.models.moe import configure as configure_moe
@@ -57,6 +58,7 @@ class LoadPlan:
     model: Llama4ForCausalLM          # on the meta device until load_model()
     routes: list | None               # (Tensor, Route) pairs; None: dummy weights
     full_shapes: dict | None = None   # tensor parallel: each weight's unsplit shape
+    kv_scales: dict = field(default_factory=dict)  # (layer, "k" | "v") -> Tensor (kv_scales.py)
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
         """Bytes the weights take on the device: FP8 1, scales 4, the rest ``dtype``."""
@@ -93,7 +95,7 @@ def plan_load(model_dir, ckpt: CheckpointConfig, load_format: str = "auto",
         fp8 = fp8_plan_from_config(ckpt)
         with torch.device("meta"):
             return LoadPlan(ckpt, fp8, Llama4ForCausalLM(ckpt.text, fp8, tp), None)
-    tensors = read_headers(model_dir)
+    tensors, kv_scales = split_kv_scales(read_headers(model_dir), ckpt.text.num_hidden_layers)
     fp8 = fp8_plan_from_tensors(tensors, ckpt)
     with torch.device("meta"):
         model = Llama4ForCausalLM(ckpt.text, fp8)
@@ -102,7 +104,7 @@ def plan_load(model_dir, ckpt: CheckpointConfig, load_format: str = "auto",
         full_shapes = {name: tuple(w.shape) for name, w in weights(model).items()}
         with torch.device("meta"):
             model = Llama4ForCausalLM(ckpt.text, fp8, tp)
-    return LoadPlan(ckpt, fp8, model, routes, full_shapes)
+    return LoadPlan(ckpt, fp8, model, routes, full_shapes, kv_scales)
 
 
 class FiniteCheck:
@@ -247,6 +249,7 @@ def load_model(plan: LoadPlan, device="cpu", dtype=torch.float32, seed: int = 0)
     else:
         _fill_from_files(model, plan.routes, finite)
     finite.check()
+    apply_kv_scales(model, plan.kv_scales)
     if getattr(plan.ckpt.text, "tie_word_embeddings", False):
         stored = next((t for t, r in plan.routes or () if r.param == "lm_head.weight"), None)
         if stored is None:

@@ -34,6 +34,7 @@ LLM_FLAGS = {
     "max_waiting_requests": "max_waiting_requests", "load_format": "load_format",
     "async_scheduling": "async_scheduling", "enable_prefix_caching": "enable_prefix_caching",
     "tensor_parallel_size": "tensor_parallel_size", "moe_parallel": "moe_parallel",
+    "kv_cache_dtype": "kv_cache_dtype",
 }
 # Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
 _DEFAULTS_IF_ABSENT = {"load_format": "auto"}
@@ -132,6 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-speculative-tokens", type=_non_negative, default=0,
                    help="prompt-lookup draft length k (default 0)")
     e.add_argument("--load-format", default="auto", help="checkpoint format (default auto)")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV pages: the model's dtype (auto) or FP8 e4m3 (default auto)")
     e.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     e.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
                    help="ranks (one worker process each; NCCL on GPUs, gloo on the CPU) "

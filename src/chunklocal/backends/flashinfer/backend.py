@@ -53,6 +53,7 @@ from chunklocal._validate import as_bool, cdiv, raise_first
 from chunklocal.backends.base import EngineLimits, Kind, pick_kind
 from chunklocal.backends.flashinfer.buffers import MetadataBuffers, write_step
 from chunklocal.bounds.sizing import backend_capacities, slot_page_limits
+from chunklocal.kv_quant import is_fp8
 from chunklocal.kv_spec import FullAttentionSpec, chunk_size_of, softmax_scale
 from chunklocal.virtual_batches import validate_batch
 
@@ -152,7 +153,9 @@ class FlashInferBackend:
 
     # -------------------------------------------------------------- wrappers
     def _plan_kwargs(self):
-        return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
+        # FP8 pages (kv_cache_dtype="fp8"): e4m3 K/V, queries in the model's dtype
+        kv = self.spec.dtype if is_fp8(self.spec.dtype) else self.dtype
+        return dict(q_data_type=self.dtype, kv_data_type=kv, sm_scale=self.sm_scale)
 
     def _make_graph(self, batch_size: int, query_len: int) -> GraphMetadata:
         import flashinfer
@@ -261,15 +264,21 @@ class FlashInferBackend:
     # -------------------------------------------------------------- forward
     def forward(self, metadata, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scale: float, *, kind: Kind | None = None,
-                out: torch.Tensor | None = None):
+                out: torch.Tensor | None = None, k_scale: float | None = None,
+                v_scale: float | None = None):
         """q [tokens, Hq, D]; caches [num_pages, block_size, Hkv, D] -> [tokens, Hq, D].
 
         ``kind`` picks the layer kind in a merged group (required there); ``out``
-        (optional, q's shape and dtype) receives the result.
+        (optional, q's shape and dtype) receives the result.  ``k_scale`` / ``v_scale``:
+        FP8 pages' scales, passed to ``run()`` (0.7.2 folds k_scale into sm_scale and
+        multiplies the output by v_scale).
         """
         if kind not in self._kinds:  # the engine always passes a kind its group has
             kind = pick_kind(self._kinds, kind)
         q_scale = None if scale == self.sm_scale else scale / self.sm_scale
+        fp8 = {} if k_scale is None and v_scale is None else dict(
+            k_scale=None if k_scale is None else float(k_scale),
+            v_scale=None if v_scale is None else float(v_scale))
         wrapper = metadata.wrappers[kind]
         if wrapper is None:
             return q.new_empty(q.shape) if out is None else out
@@ -277,8 +286,8 @@ class FlashInferBackend:
             b, n = metadata.batch_size, metadata.query_len
             pair = q.view(b, 1, n, *q.shape[1:]).expand(b, 2, n, *q.shape[1:])
             pair_out = wrapper.run(pair.reshape(2 * b * n, *q.shape[1:]), (k_cache, v_cache),
-                                   q_scale=q_scale).view(b, 2, n, *q.shape[1:])
+                                   q_scale=q_scale, **fp8).view(b, 2, n, *q.shape[1:])
             pick = metadata.use_first.view(b, n, 1, 1)
             result = torch.where(pick, pair_out[:, 0], pair_out[:, 1]).reshape(q.shape)
             return result if out is None else out.copy_(result)
-        return wrapper.run(q, (k_cache, v_cache), q_scale=q_scale, out=out)
+        return wrapper.run(q, (k_cache, v_cache), q_scale=q_scale, out=out, **fp8)
