@@ -357,3 +357,27 @@ def test_plan_into_a_closed_pipe_is_quiet(tmp_path):
     os.close(write_end)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 0
+
+
+def test_plan_prints_the_kv_pools_of_a_budget(capsys):
+    rc, out, _ = run_cli(capsys, "plan", "--max-num-seqs", "8", "--max-num-batched-tokens",
+                         "8192", "--max-model-len", "131072", "--kv-memory-gib", "40")
+    assert rc == 0
+    assert "KV pools (hybrid; layers: 36 chunked, 12 global; 65536 bytes per page" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.startswith(("chunked ", "global "))}
+    # 40 GiB / (48 layers x 64 KiB) = 13653 pages; chunked: 8 x cdiv(8191 + 8192, 16).
+    assert rows["global"][1:4] == ["12", "13653", "8192"]
+    assert rows["chunked"][1:4] == ["36", "8192", "1024"]
+    assert "that fit at once: 1" in out
+
+
+def test_plan_kv_pools_json_and_refusal(capsys):
+    rc, out, _ = run_cli(capsys, "plan", *REPORTER, "--num-kv-blocks", "9000",
+                         "--no-hybrid-kv-cache", "--json")
+    assert rc == 0
+    pools = json.loads(out)["kv_pools"]
+    assert [(g["name"], g["pages"], g["need"], g["requests_fit"]) for g in pools["groups"]] \
+        == [("merged", 9000, 2250, 4)]
+    rc, _, err = run_cli(capsys, "plan", *REPORTER, "--num-kv-blocks", "100")
+    assert rc == 2 and "pass num_kv_blocks >= 2250" in err

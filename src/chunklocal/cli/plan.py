@@ -10,7 +10,8 @@ the ``max_num_seqs`` sizing overflows on a worst-case batch (one that needs our
 bound, which is attained when exact).  "Ours" is what the FlashInfer backend
 allocates: :func:`chunklocal.bounds.sizing.backend_capacities`, the same call the
 backend makes, with the room of its CUDA-graph layouts (``--no-cuda-graphs`` to
-leave it out, ``--num-speculative-tokens`` for verify windows).
+leave it out, ``--num-speculative-tokens`` for verify windows).  With ``--num-kv-blocks`` or
+``--kv-memory-gib`` it also prints the KV pools the engine allocates (:mod:`.plan_pools`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from chunklocal._validate import as_int, cdiv, check_chunk_geometry, positive_in
 from chunklocal.backends.base import EngineLimits, Kind
 from chunklocal.bounds import max_virtual_batches, published_virtual_batches_bound
 from chunklocal.bounds.sizing import SpecShape, backend_capacities
+from chunklocal.cli import plan_pools
 
 # The reporter's configuration in vLLM issue 49980.
 REPORTER_CONFIG = dict(max_num_seqs=1, max_num_batched_tokens=36000, max_model_len=36000,
@@ -169,6 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                         help="draft tokens per verify window (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan_pools.add_arguments(parser)
 
 
 def main(args) -> int:
@@ -176,8 +179,14 @@ def main(args) -> int:
         result = plan(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
                       args.chunk_size, args.block_size, args.cuda_graphs,
                       args.num_speculative_tokens)
+        pools = plan_pools.from_args(args)
     except ValueError as err:
         print(f"chunklocal plan: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    if pools is not None:
+        result["kv_pools"] = pools
+    text = format_plan(result)
+    if pools is not None:
+        text += "\n\n" + plan_pools.format_pools(pools, args.max_model_len)
+    print(json.dumps(result, indent=2) if args.json else text)
     return 0

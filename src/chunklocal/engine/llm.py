@@ -11,6 +11,7 @@ from chunklocal._validate import cdiv, check_chunk_geometry
 from chunklocal.backends.base import EngineLimits, Kind
 from chunklocal.backends.factory import BACKEND_DEVICES, resolve_backend
 from chunklocal.bounds.closed_forms import max_virtual_batches
+from chunklocal.bounds.kv_pools import plan_kv_pools
 from chunklocal.engine.block_manager import BlockManager, KVGroup, available_memory
 from chunklocal.engine.llm_args import check_arguments, check_model, default_sampling
 from chunklocal.engine.requests import check_prompts, load_tokenizer
@@ -24,8 +25,6 @@ from chunklocal.models.llama4_config import generation_eos, layer_kind, read_con
 from chunklocal.models.loader import load_model, plan_load
 from chunklocal.models.parallel import TPGroup
 from chunklocal.models.sharding import check_tensor_parallel, kv_head_split
-
-KV_MEMORY_FRACTION = 0.4  # of free GPU memory / available RAM, when num_kv_blocks is None
 
 
 class LLM(OwnsWorkers):
@@ -199,68 +198,22 @@ class LLM(OwnsWorkers):
         return FullAttentionSpec(*geometry)
 
     def _make_groups(self, specs, hybrid, num_kv_blocks, weight_bytes=0, free_bytes=None):
-        """KV groups sized before the weights load: a pool that cannot hold one request
-        of max_model_len is refused with a max_model_len that fits.  Per rank: specs
-        hold a rank's KV heads, weight_bytes its slices, free_bytes its least free memory."""
-        layers_of = {kind: self.layer_kinds.count(kind) for kind in specs}
-        whole_seq = cdiv(self.max_model_len, self.block_size)
+        """KV groups sized before the weights load (bounds/kv_pools.py): a pool that cannot
+        hold one request of max_model_len is refused with a max_model_len that fits.  Per
+        rank: specs hold a rank's KV heads, weight_bytes its slices, free_bytes its least
+        free memory."""
         available = free_bytes
         if available is None:  # the CPU's RAM is shared by the ranks of one host
             available = available_memory(self.device) // self.tensor_parallel_size
-        if num_kv_blocks is None:
-            per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
-            if weight_bytes > available:
-                raise ValueError(f"the weights need {weight_bytes / 2**30:.1f} GiB, "
-                                 f"{available / 2**30:.1f} GiB is available on {self.device}")
-            budget = int((available - weight_bytes) * KV_MEMORY_FRACTION)
-            if whole_seq * per_block > budget:
-                fits = budget // per_block * self.block_size
-                raise ValueError(
-                    f"one request of max_model_len {self.max_model_len} needs "
-                    f"{whole_seq * per_block / 2**30:.1f} GiB of KV cache, more than the "
-                    f"default budget of {budget / 2**30:.1f} GiB ({KV_MEMORY_FRACTION:.0%} of "
-                    f"the memory available on {self.device.type} after the weights): pass "
-                    f"max_model_len <= {fits} or an explicit num_kv_blocks")
-            num_kv_blocks = min(self.max_num_seqs * whole_seq, budget // per_block)
-        num_kv_blocks = int(num_kv_blocks)
-        chunk = self.config.attention_chunk_size
-        # A chunked group holds a request's pages from its current chunk's start through
-        # the step's last query: at most c - 1 + T positions.
-        local_need = min(cdiv(chunk - 1 + self.max_num_batched_tokens, self.block_size),
-                         whole_seq) if chunk else whole_seq
-        if hybrid or len(specs) == 1:
-            names = [kind for kind in Kind if kind in specs]
-            groups = []
-            for kind in names:
-                need = local_need if specs[kind].attention_chunk_size else whole_seq
-                size = num_kv_blocks
-                if specs[kind].attention_chunk_size:
-                    size = min(num_kv_blocks, self.max_num_seqs * need)
-                groups.append((kind.value, specs[kind], size, need, layers_of[kind]))
-            kind_to_group = {kind: i for i, kind in enumerate(names)}
-        else:
-            merged = merge([specs[Kind.CHUNKED], specs[Kind.GLOBAL]])
-            groups = [("merged", merged, num_kv_blocks, whole_seq, sum(layers_of.values()))]
-            kind_to_group = {Kind.CHUNKED: 0, Kind.GLOBAL: 0}
-        # num_kv_blocks sizes every group, so the smallest that works is the largest need.
-        name, _, _, minimum, _ = max(groups, key=lambda g: g[3])
-        if num_kv_blocks < minimum:
-            raise ValueError(
-                f"num_kv_blocks={num_kv_blocks} cannot hold one request: the {name} KV group "
-                f"needs {minimum} blocks of {self.block_size} tokens (max_model_len "
-                f"{self.max_model_len}, max_num_batched_tokens {self.max_num_batched_tokens}); "
-                f"pass num_kv_blocks >= {minimum}, or max_model_len <= "
-                f"{num_kv_blocks * self.block_size} fits")
-        # One scratch page per group past the pool (KVGroup.scratch_page), every layer's K and V.
-        kv_bytes = sum((size + 1) * spec.page_size_bytes * layers
-                       for _, spec, size, _, layers in groups)
-        if kv_bytes + weight_bytes > available:
-            raise ValueError(
-                f"num_kv_blocks={num_kv_blocks} needs {kv_bytes / 2**30:.1f} GiB of KV cache, "
-                f"more than the {(available - weight_bytes) / 2**30:.1f} GiB available on "
-                f"{self.device.type} after {weight_bytes / 2**30:.1f} GiB of weights")
-        self.group_names = [name for name, *_ in groups]
-        return [KVGroup(spec, size) for _, spec, size, *_ in groups], kind_to_group
+        pools = plan_kv_pools(
+            {kind: self.layer_kinds.count(kind) for kind in specs}, specs, hybrid=hybrid,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=self.block_size, available=available,
+            num_kv_blocks=num_kv_blocks, weight_bytes=weight_bytes, device=str(self.device))
+        self.group_names = [pool.name for pool in pools.groups]
+        return [KVGroup(merge([specs[k] for k in pool.kinds]) if len(pool.kinds) > 1
+                        else specs[pool.kinds[0]], pool.pages)
+                for pool in pools.groups], pools.kind_to_group
 
     def shutdown(self) -> None:
         """Stop the engine core's loop and end the tensor-parallel workers (idempotent)."""

@@ -1,0 +1,147 @@
+"""How many KV pages each group's pool gets: the one planner the engine and ``chunklocal plan``
+share (pure arithmetic, no torch: a spec is anything with ``page_size_bytes`` and, for a
+chunked layer kind, ``attention_chunk_size``; :class:`PageShape` is the plain one).
+
+A hybrid engine has one group per layer kind (global, chunked); a merged one a single group
+that keeps every page.  ``num_kv_blocks`` (given, or from a memory budget) sizes the global
+or merged pool; a chunked pool never needs more than ``max_num_seqs`` times one request's
+need, :func:`chunked_request_pages`.
+
+**Bound** (:func:`chunked_request_pages`).  A chunked group holds, for a request whose step
+covers positions ``[s - q, s)`` (``1 <= q <= T``, ``s <= L``), the pages from the start of
+the chunk of position ``s - q`` through position ``s - 1``; pages before that chunk are
+freed.  That chunk starts at ``s - q - o`` with ``o = (s - q) mod c <= c - 1``, a multiple
+of ``bs`` (``c % bs == 0``), so the held pages are ``cdiv(o + q, bs) <= cdiv(c - 1 + T, bs)``,
+and never more than the whole sequence, ``cdiv(L, bs)``.  Both are attained (``o = c - 1``,
+``q = T`` when ``L >= c - 1 + T``).  This is the per-request term of
+:func:`~chunklocal.bounds.closed_forms.max_local_pages` (``min(P + cdiv(q - 1, bs), Lp)``
+with ``P = c / bs``, and ``P + cdiv(T - 1, bs) = cdiv(c - 1 + T, bs)``), so the bound is
+that closed form for one request: ``max_local_pages(1, T, c, L, bs)``.  Checked by brute
+force in tests/test_kv_pools.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from chunklocal._validate import cdiv
+from chunklocal.bounds.closed_forms import max_local_pages
+from chunklocal.kv_spec import Kind, chunk_size_of
+
+KV_MEMORY_FRACTION = 0.4  # of free GPU memory / available RAM, when num_kv_blocks is None
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PageShape:
+    """The part of a KV spec the planner reads: bytes of K and V of one page of one layer."""
+
+    page_size_bytes: int
+    attention_chunk_size: int | None = None
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One KV group's pool: ``pages`` pages (plus one scratch page) for ``layers`` layers."""
+
+    name: str
+    kinds: tuple[Kind, ...]
+    pages: int
+    need: int  # pages one request of max_model_len holds at most
+    layers: int
+    page_bytes: int  # one page of every layer of the group, K and V
+    bytes: int  # (pages + 1) * page_bytes: the scratch page included
+
+    def requests_fit(self) -> int:
+        """How many requests of max_model_len the pool holds at once."""
+        return self.pages // self.need
+
+
+@dataclass(frozen=True)
+class KVPoolPlan:
+    groups: tuple[PoolPlan, ...]
+    num_kv_blocks: int
+    total_bytes: int
+
+    @property
+    def kind_to_group(self) -> dict[Kind, int]:
+        return {kind: i for i, g in enumerate(self.groups) for kind in g.kinds}
+
+    def requests_fit(self) -> int:
+        """Requests of max_model_len every pool holds at once (the smallest group's count)."""
+        return min(g.requests_fit() for g in self.groups)
+
+
+def chunked_request_pages(chunk_size: int, max_num_batched_tokens: int, max_model_len: int,
+                          block_size: int) -> int:
+    """Most pages a chunked group holds for one request: min(cdiv(c - 1 + T, bs), cdiv(L, bs)).
+
+    Proof in the module docstring; it is :func:`max_local_pages` of one request."""
+    return max_local_pages(1, max_num_batched_tokens, chunk_size, max_model_len, block_size)
+
+
+def plan_kv_pools(layers_of: dict[Kind, int], specs: dict[Kind, Any], *, hybrid: bool,
+                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                  block_size: int, available: int, num_kv_blocks: int | None = None,
+                  weight_bytes: int = 0, fraction: float = KV_MEMORY_FRACTION,
+                  device: str = "cpu") -> KVPoolPlan:
+    """The pools an engine of these limits allocates, or the ValueError it refuses with.
+
+    ``layers_of``: layers of each kind; ``specs``: each kind's spec (one rank's KV heads);
+    ``available``: bytes free for weights and KV; ``num_kv_blocks`` None: the pool of
+    ``fraction`` of what the weights leave, capped at ``max_num_seqs`` whole requests.
+    ``device``: named in the messages (``cuda:0``; its type is the part before ``:``)."""
+    device_type = device.split(":")[0]
+    whole_seq = cdiv(max_model_len, block_size)
+    if num_kv_blocks is None:
+        per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
+        if weight_bytes > available:
+            raise ValueError(f"the weights need {weight_bytes / GIB:.1f} GiB, "
+                             f"{available / GIB:.1f} GiB is available on {device}")
+        budget = int((available - weight_bytes) * fraction)
+        if whole_seq * per_block > budget:
+            fits = budget // per_block * block_size
+            raise ValueError(
+                f"one request of max_model_len {max_model_len} needs "
+                f"{whole_seq * per_block / GIB:.1f} GiB of KV cache, more than the "
+                f"default budget of {budget / GIB:.1f} GiB ({fraction:.0%} of "
+                f"the memory available on {device_type} after the weights): pass "
+                f"max_model_len <= {fits} or an explicit num_kv_blocks")
+        num_kv_blocks = min(max_num_seqs * whole_seq, budget // per_block)
+    num_kv_blocks = int(num_kv_blocks)
+    kinds = [kind for kind in Kind if kind in specs]
+    groups = []
+    if hybrid or len(kinds) == 1:
+        for kind in kinds:
+            chunk = chunk_size_of(specs[kind])
+            need, size = whole_seq, num_kv_blocks
+            if chunk:
+                need = chunked_request_pages(chunk, max_num_batched_tokens, max_model_len,
+                                             block_size)
+                size = min(num_kv_blocks, max_num_seqs * need)
+            page = specs[kind].page_size_bytes * layers_of[kind]
+            groups.append(PoolPlan(kind.value, (kind,), size, need, layers_of[kind], page,
+                                   (size + 1) * page))
+    else:
+        page = sum(specs[k].page_size_bytes * layers_of[k] for k in kinds)
+        groups.append(PoolPlan("merged", tuple(kinds), num_kv_blocks, whole_seq,
+                               sum(layers_of[k] for k in kinds), page,
+                               (num_kv_blocks + 1) * page))
+    # num_kv_blocks sizes every group, so the smallest that works is the largest need.
+    largest = max(groups, key=lambda g: g.need)
+    if num_kv_blocks < largest.need:
+        raise ValueError(
+            f"num_kv_blocks={num_kv_blocks} cannot hold one request: the {largest.name} KV "
+            f"group needs {largest.need} blocks of {block_size} tokens (max_model_len "
+            f"{max_model_len}, max_num_batched_tokens {max_num_batched_tokens}); "
+            f"pass num_kv_blocks >= {largest.need}, or max_model_len <= "
+            f"{num_kv_blocks * block_size} fits")
+    # One scratch page per group past the pool (KVGroup.scratch_page), every layer's K and V.
+    kv_bytes = sum(g.bytes for g in groups)
+    if kv_bytes + weight_bytes > available:
+        raise ValueError(
+            f"num_kv_blocks={num_kv_blocks} needs {kv_bytes / GIB:.1f} GiB of KV cache, "
+            f"more than the {(available - weight_bytes) / GIB:.1f} GiB available on "
+            f"{device_type} after {weight_bytes / GIB:.1f} GiB of weights")
+    return KVPoolPlan(tuple(groups), num_kv_blocks, kv_bytes)
