@@ -61,3 +61,43 @@ def hold_steps():
     for llm, real_run, gate in reversed(held):
         llm.runner.run = real_run
         gate.set()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The tiny tokenizer (tiny_tokenizer.py) the HTTP tests' fake core speaks."""
+    from tiny_tokenizer import write_tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    write_tiny_tokenizer(path)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture
+def serve(monkeypatch):
+    """``serve(core, api_key=None, limits=None, **config)``: a running server over ``core``
+    (a fake one from fake_core.py, or None: not loaded yet), stopped after the test."""
+    from fake_core import FakeParams, QueueFullError
+    from server_harness import serve_state
+
+    from chunklocal.server import generate
+    from chunklocal.server.app import ServerConfig, ServerState
+    from chunklocal.server.params import ServeLimits
+
+    monkeypatch.setattr(generate, "sampling_params_class", lambda: FakeParams)
+    monkeypatch.setattr(generate, "_queue_full_class", lambda: QueueFullError)
+    started = []
+
+    def start(core, api_key=None, limits=None, **config):
+        state = ServerState(ServerConfig(["tiny"], "/models/tiny", api_key,
+                                         limits or ServeLimits(), **config))
+        if core is not None:
+            state.set_core(core)
+        served = serve_state(state)
+        started.append(served)
+        return served
+
+    yield start
+    for s in started:
+        s.stop()

@@ -1,7 +1,9 @@
-"""A server of build_app on a uvicorn thread (port 0), for the HTTP tests on a fake core."""
+"""A server of build_app on a uvicorn thread (port 0), for the HTTP tests on a fake core
+(the ``tokenizer`` and ``serve`` fixtures of tests/conftest.py start one)."""
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 
@@ -39,3 +41,14 @@ def serve_state(state, timeout: float = 10.0) -> Served:
         assert time.time() < deadline, "server did not start"
         time.sleep(0.01)
     return Served(state, server, thread)
+
+
+def serve_args(*argv) -> argparse.Namespace:
+    """``chunklocal serve``'s arguments parsed and checked as the command does."""
+    from chunklocal.server import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    serve_cli.check_arguments(parser, args)
+    return args

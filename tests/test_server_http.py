@@ -12,42 +12,10 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-from fake_core import FakeCore, FakeParams, QueueFullError  # noqa: E402
-from server_harness import serve_state  # noqa: E402
+from fake_core import FakeCore  # noqa: E402
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
-from chunklocal.server import generate  # noqa: E402
-from chunklocal.server.app import ServerConfig, ServerState  # noqa: E402
 from chunklocal.server.params import ServeLimits  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-@pytest.fixture
-def serve(monkeypatch):
-    monkeypatch.setattr(generate, "sampling_params_class", lambda: FakeParams)
-    monkeypatch.setattr(generate, "_queue_full_class", lambda: QueueFullError)
-    started = []
-
-    def start(core, api_key=None, limits=None):
-        state = ServerState(ServerConfig(["tiny"], "/models/tiny", api_key,
-                                         limits or ServeLimits()))
-        if core is not None:
-            state.set_core(core)
-        served = serve_state(state)
-        started.append(served)
-        return served
-
-    yield start
-    for s in started:
-        s.stop()
 
 
 def _error(resp, status, param=None):

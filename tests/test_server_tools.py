@@ -10,15 +10,13 @@ import asyncio
 import json
 import re
 
-import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 import fake_core  # noqa: E402
 from fake_core import FakeCore, FakeParams, FakeStream, Out, QueueFullError, ReqOut  # noqa: E402
-from server_harness import serve_state  # noqa: E402
-from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
+from server_harness import serve_args, serve_state  # noqa: E402
 
 from chunklocal.server import generate  # noqa: E402
 from chunklocal.server.app import ServerConfig, ServerState  # noqa: E402
@@ -76,21 +74,13 @@ class ScriptStream(FakeStream):
             self.core.live.pop(self.request_id, None)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
-
-
 class Served:
-    def __init__(self, core, server, thread):
-        self.core, self.server, self.thread = core, server, thread
-        port = server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.url, timeout=10)
+    """A running server (server_harness.Served) over a scripted fake core, with an openai
+    client."""
+
+    def __init__(self, core, running):
+        self.core, self.running = core, running
+        self.url, self.http = running.url, running.client
         self.openai = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
 
     def chat(self, **kw):
@@ -115,15 +105,13 @@ def serve(monkeypatch, tokenizer):
                                          enable_auto_tool_choice=auto,
                                          tool_call_parser=parser, **config))
         state.set_core(core)
-        running = serve_state(state)
-        served = Served(core, running.server, running.thread)
+        served = Served(core, serve_state(state))
         started.append(served)
         return served
 
     yield start
     for s in started:
-        s.server.should_exit = True
-        s.thread.join(10)
+        s.running.stop()
 
 
 def calls_of(message):
@@ -314,18 +302,6 @@ def test_bad_tools_name_the_field_path(serve, tools, param):
 
 
 # -- flags -------------------------------------------------------------------------------------
-def _serve_args(*argv):
-    import argparse
-
-    from chunklocal.server import cli as serve_cli
-
-    parser = argparse.ArgumentParser()
-    serve_cli.add_arguments(parser)
-    args = parser.parse_args(list(argv))
-    serve_cli.check_arguments(parser, args)
-    return args
-
-
 def test_tool_flags(tmp_path, capsys, monkeypatch):
     from chunklocal.server import app as server_app
     from chunklocal.server import cli as serve_cli
@@ -335,9 +311,9 @@ def test_tool_flags(tmp_path, capsys, monkeypatch):
     for bad, words in ((["--enable-auto-tool-choice"], "requires --tool-call-parser"),
                        (["--tool-call-parser", "hermes"], "invalid choice")):
         with pytest.raises(SystemExit) as info:
-            _serve_args(model, *bad)
+            serve_args(model, *bad)
         assert info.value.code == 2 and words in capsys.readouterr().err
-    args = _serve_args(model, "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    args = serve_args(model, "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
     seen = []
 
     class Stop(Exception):

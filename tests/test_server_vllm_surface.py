@@ -18,44 +18,12 @@ import pytest
 pytest.importorskip("fastapi")
 import fake_core  # noqa: E402
 import uvicorn  # noqa: E402
-from fake_core import FakeCore, FakeParams, FakeStream, QueueFullError  # noqa: E402
-from server_harness import serve_state  # noqa: E402
-from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
+from fake_core import FakeCore, FakeStream  # noqa: E402
+from server_harness import serve_args  # noqa: E402
 
-from chunklocal.server import generate, prompts  # noqa: E402
-from chunklocal.server.app import ServerConfig, ServerState  # noqa: E402
-from chunklocal.server.params import ServeLimits  # noqa: E402
+from chunklocal.server import prompts  # noqa: E402
 
 USER = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-@pytest.fixture
-def serve(monkeypatch):
-    monkeypatch.setattr(generate, "sampling_params_class", lambda: FakeParams)
-    monkeypatch.setattr(generate, "_queue_full_class", lambda: QueueFullError)
-    started = []
-
-    def start(core, api_key=None, limits=None, **config):
-        state = ServerState(ServerConfig(["tiny"], "/models/tiny", api_key,
-                                         limits or ServeLimits(), **config))
-        if core is not None:
-            state.set_core(core)
-        served = serve_state(state)
-        started.append(served)
-        return served
-
-    yield start
-    for s in started:
-        s.stop()
 
 
 def _error(resp, status, param=None, code=None):
@@ -393,31 +361,19 @@ def test_version_flag_imports_no_torch():
 
 # -- 10. --chat-template, --tokenizer; the model loads before the port opens --------------------
 
-def _serve_args(*argv):
-    import argparse
-
-    from chunklocal.server import cli as serve_cli
-
-    parser = argparse.ArgumentParser()
-    serve_cli.add_arguments(parser)
-    args = parser.parse_args(list(argv))
-    serve_cli.check_arguments(parser, args)
-    return args
-
-
 def test_chat_template_and_tokenizer_flags(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     template = tmp_path / "t.jinja"
     template.write_text(TEMPLATE_TEXT)
-    assert _serve_args(str(tmp_path), "--chat-template", str(template)).chat_template == \
+    assert serve_args(str(tmp_path), "--chat-template", str(template)).chat_template == \
         TEMPLATE_TEXT
-    assert _serve_args(str(tmp_path), "--chat-template", TEMPLATE_TEXT).chat_template == \
+    assert serve_args(str(tmp_path), "--chat-template", TEMPLATE_TEXT).chat_template == \
         TEMPLATE_TEXT
-    assert _serve_args(str(tmp_path), "--tokenizer", str(tmp_path)).tokenizer == str(tmp_path)
+    assert serve_args(str(tmp_path), "--tokenizer", str(tmp_path)).tokenizer == str(tmp_path)
     for bad in (["--chat-template", str(tmp_path / "missing.jinja")],
                 ["--tokenizer", str(tmp_path / "nope")]):
         with pytest.raises(SystemExit) as info:
-            _serve_args(str(tmp_path), *bad)
+            serve_args(str(tmp_path), *bad)
         assert info.value.code == 2
 
 
@@ -445,6 +401,6 @@ def test_a_bad_model_fails_before_the_port_opens(tmp_path, monkeypatch):
     monkeypatch.setattr(serve_cli, "make_core", bad_core)
     monkeypatch.setattr(serve_cli.signal, "signal", lambda *a: None)  # keep pytest's handlers
     (tmp_path / "config.json").write_text("{}")
-    args = _serve_args(str(tmp_path), "--port", "8123")
+    args = serve_args(str(tmp_path), "--port", "8123")
     assert serve_cli.main(args) == 1
     assert ran == []  # uvicorn never started: nothing listened
