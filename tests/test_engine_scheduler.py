@@ -25,14 +25,15 @@ from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, mer
 VOCAB = 11
 
 
-def next_token(prefix) -> int:
-    return (sum(prefix) * 7 + len(prefix) * 3) % VOCAB
+def next_token(prefix, vocab: int = VOCAB) -> int:
+    """The fake model's greedy token after ``prefix`` (tests/test_prefix_cache.py too)."""
+    return (sum(prefix) * 7 + len(prefix) * 3) % vocab
 
 
-def unrolled(prompt, max_new):
+def unrolled(prompt, max_new, vocab: int = VOCAB):
     tokens = list(prompt)
     for _ in range(max_new):
-        tokens.append(next_token(tokens))
+        tokens.append(next_token(tokens, vocab))
     return tokens[len(prompt):]
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from test_engine_scheduler import next_token, unrolled
 
 import chunklocal
 from chunklocal._validate import cdiv
@@ -62,15 +63,6 @@ def check_idle(manager: BlockManager) -> None:
 
 
 # -- fake model ---------------------------------------------------------------------------------
-def next_token(prefix) -> int:
-    return (sum(prefix) * 7 + len(prefix) * 3) % VOCAB
-
-
-def unrolled(prompt, max_new):
-    tokens = list(prompt)
-    for _ in range(max_new):
-        tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
 
 
 def prefix_codes(tokens) -> list[int]:
@@ -114,7 +106,7 @@ class ContentRunner:
                         assert self.kv[g][table[key // bs], key % bs] == codes[key], \
                             "a key holds another prefix's KV"
             if start + n - len(draft) >= len(seq):
-                sampled.append(np.array([next_token(view[:start + n - len(draft) + j])
+                sampled.append(np.array([next_token(view[:start + n - len(draft) + j], VOCAB)
                                          for j in range(len(draft) + 1)]))
             else:
                 sampled.append(np.zeros(0, dtype=np.int64))
@@ -325,7 +317,7 @@ def run_fake(prompts, block_size, chunk, hybrid, spec_k, max_num_seqs, budget, s
             scheduler.postprocess(batch, runner.run(batch), frozenset())
         assert not scheduler.has_work()
         for seq, prompt in zip(seqs, prompts, strict=True):
-            assert seq.output_ids == unrolled(prompt, max_new)
+            assert seq.output_ids == unrolled(prompt, max_new, VOCAB)
             assert seq.num_cached_tokens <= (len(prompt) - 1) // block_size * block_size
         check_accounting(manager, [])
         check_idle(manager)
