@@ -84,6 +84,23 @@ class KVGroup:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
+    def take(self, count: int) -> list[int]:
+        """``count`` (> 0) pages for a table: the free stack's last (a stack: one slice),
+        then, with prefix caching, evicted cached pages."""
+        if self.cache is not None:
+            return self.cache.take(self.free_blocks, count)
+        free = self.free_blocks
+        pages = free[:-count - 1:-1]
+        del free[-count:]
+        return pages
+
+    def release(self, pages) -> None:
+        """Give pages back: onto the free stack, or (prefix caching) one reference each."""
+        if self.cache is None:
+            self.free_blocks.extend(pages)
+        else:
+            self.cache.release(self.free_blocks, pages)
+
     def stale_pages(self, seq: Sequence, g: int) -> int:
         """Pages of ``seq`` no future query of this group can read (freed next allocation)."""
         if self.chunk_size is None:
@@ -173,11 +190,10 @@ class BlockManager:
             owned = self.num_pages[g, rows]
             new = np.maximum(0, -(-(num_computed + 1) // grp.block_size) - owned)
             stale = np.zeros_like(new)
-            gain = stale
             if grp.chunk_size is not None:
                 chunk_page = (num_computed // grp.chunk_size) * grp.chunk_size // grp.block_size
                 stale = np.maximum(0, np.minimum(chunk_page, owned) - self.first_owned[g, rows])
-                gain = stale if grp.cache is None else gain
+            gain = stale if grp.cache is None else 0  # a shared stale page frees nothing
             if (grp.num_free + np.cumsum(gain - new)).min(initial=0) < 0:
                 return None
             changes |= (new > 0) | (stale > 0)
@@ -200,21 +216,13 @@ class BlockManager:
             stale = grp.stale_pages(seq, g)
             first = seq.first_owned_page[g]
             if stale:
-                if grp.cache is None:
-                    grp.free_blocks.extend(table[first:first + stale])
-                else:
-                    grp.cache.release(grp.free_blocks, table[first:first + stale])
+                grp.release(table[first:first + stale])
                 table[first:first + stale] = [0] * stale  # placeholders: never read, see Sequence
                 row[first:first + stale] = 0
             seq.first_owned_page[g] = first + stale
             start, count = len(table), grp.new_pages(seq, g, num_new)
             if count:
-                free = grp.free_blocks
-                if grp.cache is None:
-                    table.extend(free[:-count - 1:-1])
-                    del free[-count:]
-                else:
-                    table.extend(grp.cache.take(free, count))
+                table.extend(grp.take(count))
                 row[start:start + count] = table[start:]
             self.num_pages[g, seq.row] = len(table)
             self.first_owned[g, seq.row] = seq.first_owned_page[g]
@@ -260,11 +268,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         for g, grp in enumerate(self.groups):
-            table = seq.block_tables[g]
-            if grp.cache is None:
-                grp.free_blocks.extend(table[seq.first_owned_page[g]:])
-            else:
-                grp.cache.release(grp.free_blocks, table[seq.first_owned_page[g]:])
+            grp.release(seq.block_tables[g][seq.first_owned_page[g]:])
             seq.block_tables[g] = []
             seq.first_owned_page[g] = 0
             if seq.row is not None:
