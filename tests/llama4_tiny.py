@@ -86,7 +86,7 @@ def copy_prompts(lengths, seed: int, vocab: int, periods=(4, 16)) -> list[list[i
 
 
 def train_copy_llama4(path, device, *, steps=1000, batch_size=64, length=352, lr=1e-3,
-                      seed=0, periods=(4, 16), **overrides) -> float:
+                      seed=0, periods=(4, 16), bf16_autocast=False, **overrides) -> float:
     """Train a tiny Llama-4 (transformers, AdamW) to continue repeated segments, save it to
     ``path`` in float32 and return the mean loss of the last 50 steps.
 
@@ -96,6 +96,8 @@ def train_copy_llama4(path, device, *, steps=1000, batch_size=64, length=352, lr
     back across chunk boundaries (the global layers) as well as within a chunk.  With
     the defaults, the tiny GPU test model (hidden 256, 8/2 heads of 128, chunk 64) forms
     its copy circuit after ~300 steps (H200 sweep: lr 3e-4..1e-3, batch 32-64, 1500 steps).
+    ``bf16_autocast`` runs the forward passes under CUDA bf16 autocast (weights and optimizer
+    stay float32): the 40-head reporter model trains several times faster that way.
     """
     from transformers import Llama4ForCausalLM
 
@@ -117,7 +119,8 @@ def train_copy_llama4(path, device, *, steps=1000, batch_size=64, length=352, lr
         tokens = segment.gather(1, position % period)
         # the token after the first period can not be known: the period is not seen yet
         target = tokens[:, 1:].masked_fill(position[1:] <= period, -100)
-        logits = model(tokens[:, :-1]).logits
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16_autocast):
+            logits = model(tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(),
                                                  ignore_index=-100)
         opt.zero_grad()
@@ -138,8 +141,18 @@ COPY_GEOMETRY = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads
 
 def train_copy_llama4_or_fail(path, device, **kwargs) -> None:
     """``train_copy_llama4``, timed and printed; fails unless its loss fell below 0.1
-    (an untrained copy model's tokens mean nothing)."""
+    (an untrained copy model's tokens mean nothing).
+
+    On CUDA it trains under bf16 autocast first (the GPU suite's time limit), and trains
+    again in float32 only if that run's loss stayed above the bar, so a slower float32
+    run stands behind the faster one instead of a failed suite."""
     start = time.perf_counter()
-    loss = train_copy_llama4(path, device, **kwargs)
-    print(f"\ncopy-task training: final loss {loss:.3f} in {time.perf_counter() - start:.0f} s")
+    fast = str(device).startswith("cuda")
+    loss = train_copy_llama4(path, device, bf16_autocast=fast, **kwargs)
+    print(f"\ncopy-task training ({'bf16 autocast' if fast else 'float32'}): final loss "
+          f"{loss:.3f} in {time.perf_counter() - start:.0f} s")
+    if fast and loss >= 0.1:
+        loss = train_copy_llama4(path, device, **kwargs)
+        print(f"copy-task training again in float32: final loss {loss:.3f}, "
+              f"{time.perf_counter() - start:.0f} s in all")
     assert loss < 0.1, f"the copy model did not train (loss {loss:.3f}); its tokens mean nothing"
