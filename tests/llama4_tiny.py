@@ -139,15 +139,18 @@ COPY_GEOMETRY = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads
                      intermediate_size_mlp=256)
 
 
-def train_copy_llama4_or_fail(path, device, **kwargs) -> None:
+def train_copy_llama4_or_fail(path, device, *, bf16_autocast=False, **kwargs) -> None:
     """``train_copy_llama4``, timed and printed; fails unless its loss fell below 0.1
     (an untrained copy model's tokens mean nothing).
 
-    On CUDA it trains under bf16 autocast first (the GPU suite's time limit), and trains
-    again in float32 only if that run's loss stayed above the bar, so a slower float32
-    run stands behind the faster one instead of a failed suite."""
+    ``bf16_autocast`` (CUDA only) trains under bf16 autocast first, for the GPU suite's time
+    limit, and again in float32 only if that run's loss stayed above the bar.  Only the
+    40-head reporter model uses it (150 s less on the H200); the shared copy model stays
+    float32, because the FP8 oracle test's bounds were set on a float32-trained model (a
+    bf16-trained one moved one teacher-forced logit gap of 1210 by 2.3 logits, tokens
+    still equal; docs/device-logs/2026-12-02-session6-summary.md)."""
     start = time.perf_counter()
-    fast = str(device).startswith("cuda")
+    fast = bf16_autocast and str(device).startswith("cuda")
     loss = train_copy_llama4(path, device, bf16_autocast=fast, **kwargs)
     print(f"\ncopy-task training ({'bf16 autocast' if fast else 'float32'}): final loss "
           f"{loss:.3f} in {time.perf_counter() - start:.0f} s")

@@ -184,7 +184,7 @@ def test_reporter_scenario_full_geometry_matches_torch_backend(tmp_path):
                               num_attention_heads=40, num_key_value_heads=8, head_dim=128,
                               attention_chunk_size=8192, intermediate_size=256,
                               intermediate_size_mlp=512, max_position_embeddings=65536,
-                              floor_scale=65536)
+                              floor_scale=65536, bf16_autocast=True)
     prompt = copy_prompts([36000], seed=2, vocab=128)
     new, results = 8, {}
     expected = periodic_continuation(prompt[0], new)
