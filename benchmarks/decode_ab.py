@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                          "cuda" if torch.cuda.is_available() else "cpu")
         for r in range(args.rounds):
             for label, tree in (("A", args.a), ("B", args.b)):
-                env = dict(os.environ, PYTHONPATH=str(tree.resolve() / "src"))
+                env = dict(os.environ, PYTHONPATH=child_path(tree))
                 cmd = [sys.executable, "-m", "benchmarks.decode_ab", "--a", ".", "--b", ".",
                        "--child", str(model_dir), str(args.batch), str(args.context),
                        str(args.new_tokens)]
@@ -122,6 +122,15 @@ def main(argv=None) -> int:
     payload["medians_ms"] = medians
     write_json("decode_ab_smoke" if args.smoke else "decode_ab", payload, args.out)
     return 0 if not payload["errors"] else 1
+
+
+def child_path(tree: Path) -> str:
+    """PYTHONPATH for a child that imports chunklocal from ``tree``: its ``src`` first, then
+    the parent's entries that do not hold a chunklocal of their own (on the H200 FlashInfer
+    lives in one of them, /tmp/site; dropping them all lost it)."""
+    keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not (Path(p) / "chunklocal").is_dir()]
+    return os.pathsep.join([str(tree.resolve() / "src"), *keep])
 
 
 def argparse_suppress():

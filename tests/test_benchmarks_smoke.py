@@ -183,6 +183,22 @@ def test_decode_ab_smoke(tmp_path):
     assert data["b_over_a"] > 0
 
 
+def test_decode_ab_child_keeps_the_parents_other_paths(tmp_path, monkeypatch):
+    """A child imports chunklocal from its own tree and keeps the parent's other entries
+    (on the H200 FlashInfer lives in /tmp/site; a child without it failed both trees)."""
+    import os
+
+    from benchmarks import decode_ab
+
+    other, site = tmp_path / "other" / "src", tmp_path / "site"
+    (other / "chunklocal").mkdir(parents=True)
+    site.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(other)]))
+    tree = tmp_path / "tree"
+    assert decode_ab.child_path(tree).split(os.pathsep) == [str(tree.resolve() / "src"),
+                                                             str(site)]
+
+
 def test_decode_trace_counts_files_to_the_kernel(tmp_path):
     """The decode-path trace reaches the kernel; issue 15 measured 11 files on the CPU path,
     the engine core (issue 13: a loop thread, streams, per-request sampling) made it 17,
