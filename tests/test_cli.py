@@ -366,10 +366,12 @@ def test_plan_prints_the_kv_pools_of_a_budget(capsys):
     assert "KV pools (hybrid; layers: 36 chunked, 12 global; 65536 bytes per page" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.startswith(("chunked ", "global "))}
-    # 40 GiB / (48 layers x 64 KiB) = 13653 pages; chunked: 8 x cdiv(8191 + 8192, 16).
-    assert rows["global"][1:4] == ["12", "13653", "8192"]
+    # chunked: 8 x cdiv(8191 + 8192, 16) pages (its cap); the global pool takes the rest of
+    # the 40 GiB: (40 GiB - 8193 x 36 x 64 KiB - 12 x 64 KiB) / (12 x 64 KiB) = 30033 pages,
+    # not the 13653 of an equal split that left 12 GiB unallocated.
+    assert rows["global"][1:4] == ["12", "30033", "8192"]
     assert rows["chunked"][1:4] == ["36", "8192", "1024"]
-    assert "that fit at once: 1" in out
+    assert "that fit at once: 3" in out
 
 
 def test_plan_kv_pools_json_and_refusal(capsys):

@@ -79,8 +79,47 @@ def test_merged_pool_and_budget():
                           available=10_000, weight_bytes=2_000, fraction=0.5, **LIMITS)
     (merged,) = pools.groups
     assert merged.kinds == (Kind.CHUNKED, Kind.GLOBAL) and merged.need == 8
-    assert pools.num_kv_blocks == merged.pages == 4000 // 400
+    # The budget of 4000 bytes holds the scratch page too: 9 pages + 1 scratch.
+    assert pools.num_kv_blocks == merged.pages == 4000 // 400 - 1
+    assert pools.total_bytes == 4000
     assert pools.kind_to_group == {Kind.CHUNKED: 0, Kind.GLOBAL: 0}
+
+
+def test_a_capped_chunked_pool_leaves_its_memory_to_the_global_pool():
+    """The reported bug: 40 GiB asked, 28 GiB allocated.  Pages were sized for every layer
+    at once and the chunked pool then capped at max_num_seqs requests' need, so its
+    remainder was never allocated.  Now the global pool takes it: the plan spends the whole
+    budget (less than one page per group), scratch pages included."""
+    budget = 40 * 2**30
+    layers = {Kind.CHUNKED: 36, Kind.GLOBAL: 12}
+    limits = dict(max_num_seqs=8, max_num_batched_tokens=8192, max_model_len=131072,
+                  block_size=16)
+    pools = plan_kv_pools(layers, specs(page=65536, chunk=8192), hybrid=True,
+                          available=budget, fraction=1.0, **limits)
+    chunked, global_ = pools.groups
+    assert chunked.pages == 8 * chunked.need == 8 * 1024  # capped
+    assert global_.pages == (budget - 8193 * 36 * 65536 - 12 * 65536) // (12 * 65536)
+    assert budget - global_.page_bytes < pools.total_bytes <= budget
+    assert pools.num_kv_blocks == global_.pages and pools.requests_fit() == 3
+    # A global pool capped too leaves the rest unspent, never more than the budget.
+    small = dict(limits, max_num_seqs=1)
+    pools = plan_kv_pools(layers, specs(page=65536, chunk=8192), hybrid=True,
+                          available=budget, fraction=1.0, **small)
+    assert [g.pages for g in pools.groups] == [1024, 8192]
+
+
+@pytest.mark.parametrize("budget", [10**5, 123_457, 10**6, 3 * 10**6])
+@pytest.mark.parametrize("max_num_seqs", [1, 4, 50])
+def test_budget_pools_are_the_most_that_fit(budget, max_num_seqs):
+    """Under the budget, and no pool can take one more page: each is at its cap, or one
+    more page of it would pass the budget."""
+    limits = dict(LIMITS, max_num_seqs=max_num_seqs)
+    pools = plan_kv_pools({Kind.CHUNKED: 3, Kind.GLOBAL: 1}, specs(), hybrid=True,
+                          available=budget, fraction=1.0, **limits)
+    assert pools.total_bytes <= budget
+    for g in pools.groups:
+        assert g.pages == max_num_seqs * g.need or \
+            pools.total_bytes + g.page_bytes > budget
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -81,53 +81,82 @@ def chunked_request_pages(chunk_size: int, max_num_batched_tokens: int, max_mode
     return max_local_pages(1, max_num_batched_tokens, chunk_size, max_model_len, block_size)
 
 
+def _budget_pages(pools: list[tuple[int, int]], budget: int) -> list[int]:
+    """Pages per pool from ``budget`` bytes, given each pool's (bytes per page, cap): one
+    scratch page each first, then equal page counts until the pool of the smallest cap is
+    full, and what that cap leaves to the next (largest cap last: the global pool takes
+    the chunked pool's remainder, the bug of capping after an equal split)."""
+    left = budget - sum(page for page, _ in pools)
+    order = sorted(range(len(pools)), key=lambda i: pools[i][1])
+    pages = [0] * len(pools)
+    for n, i in enumerate(order):
+        rest = order[n:]
+        equal = max(left, 0) // sum(pools[j][0] for j in rest)
+        pages[i] = min(pools[i][1], equal)
+        left -= pages[i] * pools[i][0]
+    return pages
+
+
 def plan_kv_pools(layers_of: dict[Kind, int], specs: dict[Kind, Any], *, hybrid: bool,
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                   block_size: int, available: int, num_kv_blocks: int | None = None,
-                  weight_bytes: int = 0, fraction: float = KV_MEMORY_FRACTION,
-                  device: str = "cpu") -> KVPoolPlan:
+                  weight_bytes: int = 0, reserved_bytes: int = 0,
+                  fraction: float = KV_MEMORY_FRACTION, device: str = "cpu",
+                  budget_note: str | None = None) -> KVPoolPlan:
     """The pools an engine of these limits allocates, or the ValueError it refuses with.
 
     ``layers_of``: layers of each kind; ``specs``: each kind's spec (one rank's KV heads);
-    ``available``: bytes free for weights and KV; ``num_kv_blocks`` None: the pool of
-    ``fraction`` of what the weights leave, capped at ``max_num_seqs`` whole requests.
-    ``device``: named in the messages (``cuda:0``; its type is the part before ``:``)."""
+    ``available``: bytes for weights, activations and KV; ``num_kv_blocks`` None: pools
+    from a budget of ``fraction`` of what the weights and ``reserved_bytes`` (activations,
+    CUDA graphs) leave, scratch pages included, each pool capped at ``max_num_seqs``
+    requests' need (what a capped pool leaves goes to the others); ``budget_note`` says
+    where that budget comes from in the messages.  ``device``: named in the messages
+    (``cuda:0``; its type is the part before ``:``)."""
     device_type = device.split(":")[0]
     whole_seq = cdiv(max_model_len, block_size)
-    if num_kv_blocks is None:
-        per_block = sum(specs[k].page_size_bytes * n for k, n in layers_of.items())
-        if weight_bytes > available:
-            raise ValueError(f"the weights need {weight_bytes / GIB:.1f} GiB, "
-                             f"{available / GIB:.1f} GiB is available on {device}")
-        budget = int((available - weight_bytes) * fraction)
-        if whole_seq * per_block > budget:
-            fits = budget // per_block * block_size
-            raise ValueError(
-                f"one request of max_model_len {max_model_len} needs "
-                f"{whole_seq * per_block / GIB:.1f} GiB of KV cache, more than the "
-                f"default budget of {budget / GIB:.1f} GiB ({fraction:.0%} of "
-                f"the memory available on {device_type} after the weights): pass "
-                f"max_model_len <= {fits} or an explicit num_kv_blocks")
-        num_kv_blocks = min(max_num_seqs * whole_seq, budget // per_block)
-    num_kv_blocks = int(num_kv_blocks)
     kinds = [kind for kind in Kind if kind in specs]
-    groups = []
-    if hybrid or len(kinds) == 1:
-        for kind in kinds:
-            chunk = chunk_size_of(specs[kind])
-            need, size = whole_seq, num_kv_blocks
-            if chunk:
-                need = chunked_request_pages(chunk, max_num_batched_tokens, max_model_len,
-                                             block_size)
-                size = min(num_kv_blocks, max_num_seqs * need)
-            page = specs[kind].page_size_bytes * layers_of[kind]
-            groups.append(PoolPlan(kind.value, (kind,), size, need, layers_of[kind], page,
-                                   (size + 1) * page))
+    separate = hybrid or len(kinds) == 1
+    shapes = []  # (name, kinds, need, layers, bytes of one page of the group)
+    for kind in kinds if separate else ():
+        chunk = chunk_size_of(specs[kind])
+        need = chunked_request_pages(chunk, max_num_batched_tokens, max_model_len,
+                                     block_size) if chunk else whole_seq
+        shapes.append((kind.value, (kind,), need, layers_of[kind],
+                       specs[kind].page_size_bytes * layers_of[kind]))
+    if not separate:
+        shapes.append(("merged", tuple(kinds), whole_seq, sum(layers_of[k] for k in kinds),
+                       sum(specs[k].page_size_bytes * layers_of[k] for k in kinds)))
+    if num_kv_blocks is None:
+        if weight_bytes + reserved_bytes > available:
+            extra = f" and {reserved_bytes / GIB:.1f} GiB of activations" \
+                if reserved_bytes else ""
+            raise ValueError(f"the weights need {weight_bytes / GIB:.1f} GiB{extra}, "
+                             f"{available / GIB:.1f} GiB is available on {device}")
+        budget = int((available - weight_bytes - reserved_bytes) * fraction)
+        note = budget_note or (f"{fraction:.0%} of the memory available on {device_type} "
+                               f"after the weights")
+        one = sum((need + 1) * page for _, _, need, _, page in shapes)
+        if one > budget:
+            # The longest max_model_len that fits: whole-sequence pools take what the
+            # (at most as large) per-request need of the others leaves.
+            fixed = sum((need + 1) * page for _, _, need, _, page in shapes if need < whole_seq)
+            per = sum(page for _, _, need, _, page in shapes if need >= whole_seq)
+            fits = max(budget - fixed, 0) // per - 1 if per else 0
+            raise ValueError(
+                f"one request of max_model_len {max_model_len} needs {one / GIB:.1f} GiB of "
+                f"KV cache, more than the default budget of {budget / GIB:.1f} GiB "
+                f"({note}): pass max_model_len <= {max(fits, 0) * block_size} or an "
+                f"explicit num_kv_blocks")
+        sizes = _budget_pages([(page, max_num_seqs * need) for *_, need, _, page in shapes],
+                              budget)
+        num_kv_blocks = sizes[-1]  # the global (or merged, or only) pool
     else:
-        page = sum(specs[k].page_size_bytes * layers_of[k] for k in kinds)
-        groups.append(PoolPlan("merged", tuple(kinds), num_kv_blocks, whole_seq,
-                               sum(layers_of[k] for k in kinds), page,
-                               (num_kv_blocks + 1) * page))
+        num_kv_blocks = int(num_kv_blocks)
+        sizes = [min(num_kv_blocks, max_num_seqs * need) if need < whole_seq
+                 else num_kv_blocks for _, _, need, _, _ in shapes]
+    groups = tuple(PoolPlan(name, kinds_, size, need, layers, page, (size + 1) * page)
+                   for (name, kinds_, need, layers, page), size in zip(shapes, sizes,
+                                                                       strict=True))
     # num_kv_blocks sizes every group, so the smallest that works is the largest need.
     largest = max(groups, key=lambda g: g.need)
     if num_kv_blocks < largest.need:
@@ -139,9 +168,9 @@ def plan_kv_pools(layers_of: dict[Kind, int], specs: dict[Kind, Any], *, hybrid:
             f"{num_kv_blocks * block_size} fits")
     # One scratch page per group past the pool (KVGroup.scratch_page), every layer's K and V.
     kv_bytes = sum(g.bytes for g in groups)
-    if kv_bytes + weight_bytes > available:
+    if kv_bytes + weight_bytes + reserved_bytes > available:
         raise ValueError(
             f"num_kv_blocks={num_kv_blocks} needs {kv_bytes / GIB:.1f} GiB of KV cache, "
-            f"more than the {(available - weight_bytes) / GIB:.1f} GiB available on "
-            f"{device_type} after {weight_bytes / GIB:.1f} GiB of weights")
-    return KVPoolPlan(tuple(groups), num_kv_blocks, kv_bytes)
+            f"more than the {(available - weight_bytes - reserved_bytes) / GIB:.1f} GiB "
+            f"available on {device_type} after {weight_bytes / GIB:.1f} GiB of weights")
+    return KVPoolPlan(groups, num_kv_blocks, kv_bytes)
