@@ -169,6 +169,20 @@ def test_tp_decode_smoke(tmp_path):
     assert {r["allreduce_calls"] for r in rows} == {9}
 
 
+def test_fp8_small_m_smoke(tmp_path):
+    """Every dense and grouped shape at each row count, torch's path timed (eager on the
+    CPU), bytes counted from the experts a round-robin routing touches."""
+    from benchmarks import fp8_small_m
+
+    assert fp8_small_m.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = _load(tmp_path / "fp8_small_m_smoke.json")["kernels"]
+    assert [(r["gemm"], r["rows"]) for r in rows] == [
+        (g, m) for g in ("dense gate_up", "dense down", "experts w13", "experts w2")
+        for m in (1, 3)]
+    assert [r.get("experts_touched") for r in rows[4:]] == [1, 3, 1, 3]
+    assert all(r["bytes"] > 0 and r["floor_us"] > 0 for r in rows)
+
+
 def test_decode_ab_smoke(tmp_path):
     """Both children run (here the same tree twice) and the ratio is written."""
     from pathlib import Path

@@ -62,3 +62,67 @@ def test_triton_kernel_in_interpreter():
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+FP8_SCRIPT = textwrap.dedent("""
+    import torch
+    from chunklocal.models import moe_triton
+    from chunklocal.models.moe import expert_mm
+    from chunklocal.models.quant import FP8, dequantize, fp8_linear, quantize_per_token
+
+    gen = torch.Generator().manual_seed(0)
+    e, n, k = 5, 48, 96
+    w = (torch.randn(e, n, k, generator=gen) * 0.5).to(FP8)
+    w_scale = torch.rand(e, n, generator=gen) + 0.5
+    # Rows whose quantization is exact (e4m3 values times 2**j, amax 448 * 2**j): the
+    # interpreter's float32 -> e4m3 cast drops the carry when a value rounds up into the
+    # next binade (31.98 -> 16, not 32), where the GPU's cvt.rn is right; tests/gpu checks
+    # rounding on random rows.  float32 rows: its float32 -> bf16 cast truncates.
+    m = 23
+    x = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(FP8).float()
+    x[:, 0] = 448.0
+    x = x * 2.0 ** torch.randint(-6, 6, (m, 1), generator=gen).float()
+    x[7] = 0.0  # an all-zero row: the amax floor, not a division by zero
+    ends = torch.tensor([3, 3, 20, 20, 23], dtype=torch.int32)  # experts 1 and 3 empty
+    rows_of = torch.repeat_interleave(torch.arange(e), torch.diff(ends, prepend=ends[:1] * 0))
+
+    def check(got, rows, experts, ub):
+        # float64 on the per-token quantization (the CPU's, bit for bit the GPU's), the
+        # error measured against sum_k |x_k w_k| (accumulation order differs)
+        xq, scale = quantize_per_token(x[rows], ub)
+        xd, wd = xq.double() * scale.double(), dequantize(w, w_scale).double()[experts]
+        want = torch.einsum("mk,mnk->mn", xd, wd)
+        mag = torch.einsum("mk,mnk->mn", xd.abs(), wd.abs())
+        err = float(((got.double() - want).abs() / (mag + 1e-30)).max())
+        assert err < 2.0 ** -12, (ub, err)
+
+    for ub in (None, 112.0):  # caps rows of larger amax (they saturate); 112 / 448 = 2**-2
+        got = moe_triton.fp8_grouped_mm_small(x, w, w_scale, ends, ub, block_n=16, block_k=32)
+        check(got, slice(None), rows_of, ub)
+        # the MoE layer's entry point takes the kernel for few rows per expert
+        calls, real = [], moe_triton.fp8_grouped_mm_small
+        moe_triton.fp8_grouped_mm_small = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        routed = expert_mm(x, w, ends, w_scale, small_m=True, act_scale_ub=ub)
+        moe_triton.fp8_grouped_mm_small = real
+        assert calls == [1]
+        check(routed, slice(None), rows_of, ub)
+        # a dense layer: one group, no offsets tensor, through quant.fp8_linear's dispatch
+        calls, real = [], moe_triton.fp8_linear_small
+        moe_triton.fp8_linear_small = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        dense = fp8_linear(x[:9], w[2], w_scale[2], act_scale_ub=ub)
+        moe_triton.fp8_linear_small = real
+        assert calls == [1]
+        check(dense, slice(0, 9), torch.full((9,), 2), ub)
+    print("ok")
+""")
+
+
+def test_fp8_triton_kernel_in_interpreter():
+    """The FP8 kernel with its fused quantization: groups with empty experts, an all-zero
+    row, fbgemm's amax cap, the one-group (dense) form, and both dispatch points."""
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(tests), *sys.path]))
+    run = subprocess.run([sys.executable, "-c", FP8_SCRIPT], env=env, cwd=tests,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

@@ -66,11 +66,12 @@ def fp8_weights(e, n, k, seed):
     return (w / scale[..., None]).to(FP8), scale
 
 
-def error_ratio(got, x, w, scale, want, rows_of=None) -> float:
+def error_ratio(got, x, w, scale, want, rows_of=None, ub=None) -> float:
     """max over elements of ``|got - want| / (BF16_U |want| + ACC_U sum_k |x_k w_k|)``: at
     most 1 under the error model above.  ``x``: the bf16 input (quantized here as the kernel
-    quantizes it); ``rows_of``: the expert of each row (grouped), else w has one expert."""
-    x_q, x_scale = quantize_per_token(x.float())
+    quantizes it, with fbgemm's amax cap ``ub``); ``rows_of``: the expert of each row
+    (grouped), else w has one expert."""
+    x_q, x_scale = quantize_per_token(x.float(), ub)
     x_abs = x_q.float().abs() * x_scale
     w_abs = dequantize(w, scale).abs()
     if rows_of is None:

@@ -73,7 +73,8 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
     """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e].T`` (``w [E, N, K]``) -> [M, N].
 
     float8 weights with per-output-channel ``w_scale [E, N]`` go to
-    ``quant.fp8_grouped_mm``; float weights to ``torch._grouped_mm`` where torch has a
+    ``quant.fp8_grouped_mm`` (with ``small_m``, and no cross-rank amax, to
+    ``moe_triton.fp8_grouped_mm_small``); float weights to ``torch._grouped_mm`` where torch has a
     grouped kernel for the device and dtype (CUDA bf16 on sm90/sm100; the CPU's float32,
     bf16 and float16).  Otherwise, eagerly, torch's own per-group fallback (it reads
     ``offs`` on the host), and under CUDA-graph capture or where torch has none (float64)
@@ -85,6 +86,11 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
             raise ValueError(f"float8 expert weights {tuple(w.shape)} need a weight scale")
         from chunklocal.models.quant import fp8_grouped_mm
 
+        if small_m and amax_reduce is None:
+            import chunklocal.models.moe_triton as moe_triton
+
+            if moe_triton.available(x):
+                return moe_triton.fp8_grouped_mm_small(x, w, w_scale, offs, act_scale_ub)
         # act_scale_ub: fbgemm_fp8's cap on a token's activation amax (models/quant.py);
         # amax_reduce: tensor parallel, rows hold one rank's slice of the inner size
         if act_scale_ub is None and amax_reduce is None:

@@ -1,4 +1,4 @@
-"""A Triton grouped GEMM for steps with few rows per expert (decode), behind a flag.
+"""Triton grouped GEMMs for steps with few rows per expert (decode): float and FP8 weights.
 
 ``grouped_mm_small(x, w, offs)`` computes what :func:`chunklocal.models.moe.expert_mm`
 does for float weights: rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e].T``
@@ -9,6 +9,16 @@ over K once per ``BLOCK_M`` rows.  With at most ``BLOCK_M`` rows per expert ever
 routed weight is read exactly once; with many rows per expert torch's grouped kernel
 (``torch._grouped_mm``) is the better choice, so the MoE layer uses this one only up
 to ``MoE.triton_max_pairs`` (token, expert) pairs (0, i.e. off, until measured).
+
+``fp8_grouped_mm_small(x, w, w_scale, offs, scale_ub)`` is the same kernel for FP8
+weights (``w [E, N, K]`` float8_e4m3fn, per-output-channel ``w_scale [E, N]``) with the
+per-token activation quantization of :func:`chunklocal.models.quant.quantize_per_token`
+fused in: each program finds its rows' amax over K (the rows are a few KiB and stay in
+L2, so every N-tile rereading them costs no HBM traffic), scales with IEEE division
+(``div_rn``, the CPU's bits: a scale 1 ulp off moves activations to the neighbouring e4m3
+value), rounds to e4m3 and multiplies on the FP8 tensor cores.  No separate amax and
+quantize kernels run, and each routed weight is read once.  A dense FP8 layer is the case
+``E == 1`` (:func:`fp8_linear_small`).
 """
 
 from __future__ import annotations
@@ -63,6 +73,98 @@ if triton is not None:
             out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & (cols[None, :] < N))
+
+
+if triton is not None:
+    @triton.jit
+    def _fp8_grouped_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, N, K, scale_ub,
+                                 stride_xm, stride_we, stride_wn, stride_se, stride_om,
+                                 num_rows, HAS_OFFS: tl.constexpr, HAS_UB: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        expert = tl.program_id(1)
+        if HAS_OFFS:
+            end = tl.load(offs_ptr + expert)
+            start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
+        else:  # one group of every row (a dense layer): no offsets tensor to make
+            end = num_rows
+            start = 0
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+        w_scale = tl.load(ws_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < end
+            x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + ks
+                xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K),
+                             other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(xk), axis=1))
+            if HAS_UB:
+                amax = tl.minimum(amax, scale_ub)
+            scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full((BLOCK_M,), 448.0,
+                                                                      tl.float32))
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + ks
+                xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K),
+                             other=0.0).to(tl.float32)
+                xq = tl.math.div_rn(xk, tl.broadcast_to(scale[:, None], (BLOCK_M, BLOCK_K)))
+                xq = tl.minimum(tl.maximum(xq, -448.0), 448.0).to(tl.float8e4nv)
+                wk = tl.load(w_base + k[:, None], mask=col_ok[None, :] & (k[:, None] < K),
+                             other=0.0)
+                acc = tl.dot(xq, wk, acc)
+            acc = acc * scale[:, None] * w_scale[None, :]
+            out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         offs: torch.Tensor | None, scale_ub: float | None = None, *,
+                         block_m: int | None = None, block_n: int | None = None,
+                         block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
+    """What :func:`chunklocal.models.quant.fp8_grouped_mm` computes (per-token dynamic
+    activation scales, capped at ``scale_ub``), in one kernel: ``x [M, K]`` bf16 rows sorted
+    by expert, ``w [E, N, K]`` float8_e4m3fn, ``w_scale [E, N]`` float32, ``offs`` int32 [E]
+    group ends (``None``: one group of all M rows, ``E == 1``).  Rows past ``offs[-1]`` are
+    left unwritten.
+
+    Tiles: ``block_m`` rows per pass over an N-slab (16, or up to 64 for a dense layer of
+    more rows, so a slab is streamed fewer times); ``block_n`` 32 for N <= 8192 so that
+    Scout's down projections (N = 5120) still give 160 programs for 132 SMs, else 64."""
+    if triton is None:
+        raise RuntimeError("fp8_grouped_mm_small needs Triton")
+    num_rows, k_dim = x.shape
+    num_experts, n_dim, _ = w.shape
+    if x.stride(1) != 1 or w.stride(2) != 1 or w_scale.stride(1) != 1:
+        raise ValueError("fp8_grouped_mm_small needs x, w and w_scale contiguous along K / N")
+    if offs is None and num_experts != 1:
+        raise ValueError(f"offs=None means one group, got {num_experts} experts")
+    if block_m is None:
+        block_m = 16 if offs is not None else min(64, max(16, triton.next_power_of_2(num_rows)))
+    if block_n is None:
+        block_n = 32 if n_dim <= 8192 else 64
+    out = torch.empty(num_rows, n_dim, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n_dim, block_n), num_experts)
+    _fp8_grouped_gemm_kernel[grid](
+        x, w, w_scale, out, x if offs is None else offs, n_dim, k_dim,
+        0.0 if scale_ub is None else float(scale_ub), x.stride(0), w.stride(0), w.stride(1),
+        w_scale.stride(0), out.stride(0), num_rows, HAS_OFFS=offs is not None,
+        HAS_UB=scale_ub is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=3 if block_m > 16 else 4)
+    return out
+
+
+def fp8_linear_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     scale_ub: float | None = None) -> torch.Tensor:
+    """``quant.fp8_linear`` without bias, for few rows: ``x [M, K]`` @ ``w [N, K]`` (FP8,
+    scales ``w_scale [N]``) through the grouped kernel with one group."""
+    return fp8_grouped_mm_small(x, w.unsqueeze(0), w_scale.view(1, -1), None, scale_ub)
 
 
 def grouped_mm_small(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,

@@ -23,6 +23,11 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0          # largest finite e4m3fn value
 AMAX_FLOOR = 1e-12       # an all-zero row quantizes to zeros instead of dividing by zero
+# Dense FP8 layers of at most this many rows (decode steps) run moe_triton's small-M kernel,
+# with the activation quantization fused in, where Triton runs (CUDA); larger ones, and
+# row-parallel slices (their amax is reduced across ranks) or layers with a bias, go
+# through torch._scaled_mm.  Chosen from benchmarks/fp8_small_m.py (BENCHMARKS.md).
+SMALL_M_ROWS = 64
 
 
 def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None, amax_reduce=None):
@@ -61,6 +66,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias=Non
     out_shape = (x.shape[0], w.shape[0])
     if x.shape[0] == 0:
         return x.new_zeros(out_shape)
+    if bias is None and amax_reduce is None and x.shape[0] <= SMALL_M_ROWS \
+            and x.stride(-1) == 1:
+        from chunklocal.models import moe_triton
+
+        if moe_triton.available(x):
+            return moe_triton.fp8_linear_small(x, w, w_scale, act_scale_ub)
     x_fp8, scale = quantize_per_token(x, act_scale_ub, amax_reduce)
     if x.is_cuda:
         # b must be column-major: w [N, K] row-major transposed is exactly that.  A bf16

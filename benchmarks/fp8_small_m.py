@@ -1,0 +1,194 @@
+"""FP8 GEMMs at decode sizes: moe_triton's small-M kernel against torch's path, side by side.
+
+Two parts, one run (GPU):
+
+* **Kernels**, Scout's shapes: the dense shared-expert projections (gate/up: N = 8192,
+  K = 5120; down: N = 5120, K = 8192) at M = 1..256 rows, and the routed experts
+  (``w13 [16, 16384, 5120]``, ``w2 [16, 5120, 8192]``) at 1..256 (token, expert) pairs
+  spread round-robin over the 16 experts (trained routers spread tokens; every expert
+  that gets a row is read).  torch's path is what ``quant.fp8_linear`` /
+  ``fp8_grouped_mm`` run on CUDA: ``quantize_per_token`` (amax, scale, cast kernels), then
+  ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``.  Each is captured in a CUDA graph of
+  ``REPLAYS`` calls, so launch gaps are not counted for either.  Floor: the weight bytes
+  touched (plus activations and outputs) at the copy rate measured in the same run.
+* **Engine**: full-size Scout FP8 (dummy weights, ``benchmarks.decode_floor``'s model)
+  decode steps at the given batches, 1k contexts, with the kernel on (the defaults) and off
+  (``quant.SMALL_M_ROWS = 0``, ``moe.TRITON_PAIRS_PER_EXPERT = 0``), one engine after the
+  other.  The dummy router's routing is what it is (the experts touched per layer are in
+  each row); the kernel part above is the spread-routing figure.
+
+    python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import (
+    base_parser,
+    cuda_time_ms,
+    format_table,
+    guarded,
+    measure_copy_bytes_per_s,
+    write_json,
+)
+
+REPLAYS = 20
+DENSE = {"gate_up": (8192, 5120), "down": (5120, 8192)}
+GROUPED = {"w13": (16, 16384, 5120), "w2": (16, 5120, 8192)}
+
+
+def weights(e, n, k, device):
+    w = torch.randn(e, n, k, device=device).div_(16).to(torch.float8_e4m3fn)
+    return w, torch.rand(e, n, device=device) * 1e-2 + 1e-3
+
+
+def graphed(fn, device):
+    """``fn`` replayed REPLAYS times from one CUDA graph (eager on the CPU smoke)."""
+    if device.type != "cuda":
+        return fn
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPLAYS):
+            fn()
+    return graph.replay
+
+
+def kernel_rows(device, copy_rate, ms, smoke) -> list[dict]:
+    from chunklocal.models import moe_triton, quant
+
+    triton_ok = moe_triton.available(torch.empty(1, dtype=torch.bfloat16, device=device))
+    rows, saved = [], quant.SMALL_M_ROWS
+    quant.SMALL_M_ROWS = 0  # fp8_linear: torch's path; the kernel is called by name
+    try:
+        dense_rows(rows, device, copy_rate, ms, smoke, triton_ok)
+        grouped_rows(rows, device, copy_rate, ms, smoke, triton_ok)
+    finally:
+        quant.SMALL_M_ROWS = saved
+    return rows
+
+
+def dense_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
+    from chunklocal.models import moe_triton, quant
+
+    for name, (n, k) in DENSE.items():
+        n, k = (n // 64, k // 64) if smoke else (n, k)
+        w, s = weights(1, n, k, device)
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            paths = {"torch": lambda x=x, w=w, s=s: quant.fp8_linear(x, w[0], s[0])}
+            if triton_ok:
+                paths["triton"] = lambda x=x, w=w, s=s: moe_triton.fp8_linear_small(x, w[0], s[0])
+            rows.append(cell(f"dense {name}", m, n * k + m * k * 2 + m * n * 2, paths,
+                             device, copy_rate))
+
+
+def grouped_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
+    from chunklocal.models import moe_triton, quant
+
+    for name, (e, n, k) in GROUPED.items():
+        n, k = (n // 64, k // 64) if smoke else (n, k)
+        w, s = weights(e, n, k, device)
+        for m in ms:
+            counts = torch.bincount(torch.arange(m) % e, minlength=e)
+            offs = counts.cumsum(0).to(torch.int32).to(device)
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            paths = {"torch": lambda x=x, w=w, s=s, o=offs: quant.fp8_grouped_mm(x, w, s, o)}
+            if triton_ok:
+                paths["triton"] = lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
+                    x, w, s, o)
+            touched = int((counts > 0).sum())
+            rows.append(cell(f"experts {name}", m, touched * n * k + m * (k + n) * 2, paths,
+                             device, copy_rate) | {"experts_touched": touched})
+
+
+def cell(name, m, nbytes, paths, device, copy_rate) -> dict:
+    row = {"gemm": name, "rows": m, "bytes": nbytes,
+           "floor_us": nbytes / copy_rate * 1e6}
+    for label, fn in paths.items():
+        replay = graphed(fn, device)
+        if device.type == "cuda":
+            us = cuda_time_ms(replay, repeats=10)["median"] * 1e3 / REPLAYS
+        else:
+            fn()
+            us = float("nan")
+        row[f"{label}_us"] = us
+        row[f"{label}_share"] = row["floor_us"] / us
+    if "triton_us" in row:
+        row["torch_over_triton"] = row["torch_us"] / row["triton_us"]
+    print(format_table([row]), flush=True)
+    return row
+
+
+def engine_rows(rows, batches, steps, device, rates, save, errors) -> None:
+    """decode_floor's cells on full-size Scout FP8, kernel off, then on."""
+    from argparse import Namespace
+
+    from benchmarks import decode_floor
+    from chunklocal.models import moe, quant
+
+    defaults = (quant.SMALL_M_ROWS, moe.TRITON_PAIRS_PER_EXPERT)
+    args = Namespace(steps=steps, profile=False, profile_batches=[])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = decode_floor.write_config(Path(tmp) / "scout-fp8", "scout-fp8")
+        for label, (dense, pairs) in (("torch", (0, 0)), ("triton", defaults)):
+            quant.SMALL_M_ROWS, moe.TRITON_PAIRS_PER_EXPERT = dense, pairs
+            try:
+                llm = decode_floor.make_llm_with_kv(path, device, max(batches),
+                                                    1024 + 3 * steps + 96)
+                for batch in batches:
+                    row = guarded(f"{label} b{batch}", lambda b=batch, e=llm: (
+                        decode_floor.decode_cell(e, "scout-fp8", b, 1024, args, rates, device)),
+                        errors)
+                    if row:
+                        rows.append({"fp8_gemms": label, **row})
+                        print(format_table([{k: v for k, v in rows[-1].items()
+                                             if not isinstance(v, dict | list)}]), flush=True)
+                        save()
+                llm.shutdown()
+                del llm
+            finally:
+                quant.SMALL_M_ROWS, moe.TRITON_PAIRS_PER_EXPERT = defaults
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--engine-batches", type=int, nargs="*", default=[1, 16, 64])
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.smoke:
+        parser.error("the full-size run needs CUDA; on the CPU only --smoke works")
+    copy_rate = measure_copy_bytes_per_s(device) if device.type == "cuda" else 1e11
+    payload = {"rates": {"copy_bytes_per_s": copy_rate}, "kernels": [], "engine": [],
+               "errors": []}
+    name = "fp8_small_m_smoke" if args.smoke else "fp8_small_m"
+
+    def save():
+        write_json(name, payload, args.out)
+
+    payload["kernels"] = kernel_rows(device, copy_rate, [1, 3] if args.smoke else args.rows,
+                                     args.smoke)
+    save()
+    if device.type == "cuda" and args.engine_batches:
+        from benchmarks.common import measure_matmul_flops
+
+        rates = {"copy_bytes_per_s": copy_rate,
+                 "matmul_flops_per_s": measure_matmul_flops(device)}
+        engine_rows(payload["engine"], args.engine_batches, args.steps, device, rates, save,
+                    payload["errors"])
+    save()
+    return 0 if not payload["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

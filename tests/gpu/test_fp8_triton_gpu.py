@@ -1,0 +1,93 @@
+"""moe_triton's FP8 small-M kernel compiled on the GPU: against the CPU's fake-quantized
+float32 reference (the error model of test_fp8_gpu.py), on random rows (the interpreter test
+on the CPU, tests/test_moe_triton.py, can only use rows whose quantization is exact), eagerly
+and replayed in a CUDA graph with new routing, and through the two dispatch points
+(``quant.fp8_linear`` and ``moe.expert_mm``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from test_fp8_gpu import error_ratio, fp8_weights  # noqa: E402
+
+from chunklocal.models import moe_triton, quant  # noqa: E402
+from chunklocal.models.moe import expert_mm  # noqa: E402
+from chunklocal.models.quant import fp8_grouped_mm, fp8_linear  # noqa: E402
+
+
+def bf16_rows(m, k, seed, spread=True):
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    if spread:  # rows of very different magnitude: per-token scales matter
+        x = x * torch.logspace(-2, 2, m).view(-1, 1)
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 33, 64])
+@pytest.mark.parametrize("ub", [None, 2.0])
+@pytest.mark.parametrize("n,k", [(384, 256), (5120, 8192)], ids=["small", "scout-down"])
+def test_dense_kernel_equals_cpu_reference(m, ub, n, k):
+    w, scale = fp8_weights(1, n, k, seed=m + 1000)
+    x = bf16_rows(m, k, seed=m)
+    got = moe_triton.fp8_linear_small(x.cuda(), w[0].cuda(), scale[0].cuda(), ub)
+    want = fp8_linear(x.float(), w[0], scale[0], act_scale_ub=ub)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert error_ratio(got, x, w, scale, want, ub=ub) <= 1.0
+
+
+@pytest.mark.parametrize("sizes", [[1, 0, 0, 0], [16, 32, 0, 48], [1, 0, 5, 3, 0, 7, 2, 1],
+                                   [0, 0, 130, 1], [4] * 16],
+                         ids=["one-row", "aligned", "ragged", "empty-groups", "spread"])
+@pytest.mark.parametrize("ub", [None, 2.0])
+def test_grouped_kernel_equals_cpu_reference(sizes, ub):
+    e, n, k = len(sizes), 256, 512
+    w, scale = fp8_weights(e, n, k, seed=e)
+    m = sum(sizes)
+    x = bf16_rows(m, k, seed=2)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    got = moe_triton.fp8_grouped_mm_small(x.cuda(), w.cuda(), scale.cuda(), offs.cuda(), ub)
+    want = fp8_grouped_mm(x.float(), w, scale, offs, act_scale_ub=ub)
+    rows_of = torch.repeat_interleave(torch.arange(e), torch.tensor(sizes))
+    assert error_ratio(got, x, w, scale, want, rows_of, ub=ub) <= 1.0
+
+
+@torch.inference_mode()
+def test_grouped_kernel_replays_in_a_cuda_graph_with_new_routing():
+    e, n, k, m = 6, 256, 512, 8
+    w, scale = fp8_weights(e, n, k, seed=5)
+    w, scale = w.cuda(), scale.cuda()
+    x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+    offs = torch.zeros(e, dtype=torch.int32, device="cuda")
+    moe_triton.fp8_grouped_mm_small(x, w, scale, offs)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_triton.fp8_grouped_mm_small(x, w, scale, offs)
+    for seed, sizes in enumerate([[8, 0, 0, 0, 0, 0], [1, 2, 0, 3, 1, 1], [0, 0, 0, 0, 0, 8]]):
+        x.copy_(bf16_rows(m, k, seed))
+        offs.copy_(torch.tensor(sizes).cumsum(0))
+        graph.replay()
+        assert torch.equal(out, moe_triton.fp8_grouped_mm_small(x, w, scale, offs)), sizes
+
+
+def test_dispatch_takes_the_kernel_up_to_its_row_limits(monkeypatch):
+    """fp8_linear: up to quant.SMALL_M_ROWS rows (no bias, no cross-rank amax); expert_mm:
+    when the MoE layer says the step is small."""
+    w, scale = fp8_weights(3, 128, 256, seed=9)
+    w, scale = w.cuda(), scale.cuda()
+    calls = []
+    for name in ("fp8_linear_small", "fp8_grouped_mm_small"):
+        real = getattr(moe_triton, name)
+        monkeypatch.setattr(moe_triton, name,
+                            lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    limit = quant.SMALL_M_ROWS
+    fp8_linear(bf16_rows(limit, 256, 1).cuda(), w[0], scale[0])
+    fp8_linear(bf16_rows(limit + 1, 256, 1).cuda(), w[0], scale[0])
+    fp8_linear(bf16_rows(4, 256, 1).cuda(), w[0], scale[0], amax_reduce=lambda a: a)
+    offs = torch.tensor([2, 2, 5], dtype=torch.int32, device="cuda")
+    expert_mm(bf16_rows(5, 256, 1).cuda(), w, offs, scale, small_m=True)
+    expert_mm(bf16_rows(5, 256, 1).cuda(), w, offs, scale, small_m=False)
+    assert calls == ["fp8_linear_small", "fp8_grouped_mm_small"]
