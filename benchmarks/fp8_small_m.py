@@ -13,9 +13,9 @@ Two parts, one run (GPU):
   touched (plus activations and outputs) at the copy rate measured in the same run.
 * **Engine**: full-size Scout FP8 (dummy weights, ``benchmarks.decode_floor``'s model)
   decode steps at the given batches, 1k contexts, with the kernel on (the defaults) and off
-  (``quant.SMALL_M_ROWS = 0``, ``moe.TRITON_PAIRS_PER_EXPERT = 0``), one engine after the
-  other.  The dummy router's routing is what it is (the experts touched per layer are in
-  each row); the kernel part above is the spread-routing figure.
+  (``moe_triton.FP8_ENABLED = False``), one engine after the other.  The dummy router's
+  routing is what it is (the experts touched per layer are in each row); the kernel part
+  above is the spread-routing figure.
 
     python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
 """
@@ -131,14 +131,13 @@ def engine_rows(rows, batches, steps, device, rates, save, errors) -> None:
     from argparse import Namespace
 
     from benchmarks import decode_floor
-    from chunklocal.models import moe, quant
+    from chunklocal.models import moe_triton
 
-    defaults = (quant.SMALL_M_ROWS, moe.TRITON_PAIRS_PER_EXPERT)
     args = Namespace(steps=steps, profile=False, profile_batches=[])
     with tempfile.TemporaryDirectory() as tmp:
         path = decode_floor.write_config(Path(tmp) / "scout-fp8", "scout-fp8")
-        for label, (dense, pairs) in (("torch", (0, 0)), ("triton", defaults)):
-            quant.SMALL_M_ROWS, moe.TRITON_PAIRS_PER_EXPERT = dense, pairs
+        for label, enabled in (("torch", False), ("triton", True)):
+            moe_triton.FP8_ENABLED = enabled
             try:
                 llm = decode_floor.make_llm_with_kv(path, device, max(batches),
                                                     1024 + 3 * steps + 96)
@@ -154,7 +153,7 @@ def engine_rows(rows, batches, steps, device, rates, save, errors) -> None:
                 llm.shutdown()
                 del llm
             finally:
-                quant.SMALL_M_ROWS, moe.TRITON_PAIRS_PER_EXPERT = defaults
+                moe_triton.FP8_ENABLED = True
             gc.collect()
             torch.cuda.empty_cache()
 

@@ -113,6 +113,14 @@ FP8_SCRIPT = textwrap.dedent("""
         moe_triton.fp8_linear_small = real
         assert calls == [1]
         check(dense, slice(0, 9), torch.full((9,), 2), ub)
+    # CHUNKLOCAL_FP8_TRITON=0's switch: both dispatch points back on torch's path
+    moe_triton.FP8_ENABLED = False
+    calls = []
+    for name in ("fp8_grouped_mm_small", "fp8_linear_small"):
+        setattr(moe_triton, name, lambda *a, **kw: calls.append(1))
+    expert_mm(x, w, ends, w_scale, small_m=True)
+    fp8_linear(x[:9], w[2], w_scale[2])
+    assert calls == []
     print("ok")
 """)
 

@@ -89,7 +89,7 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
         if small_m and amax_reduce is None:
             import chunklocal.models.moe_triton as moe_triton
 
-            if moe_triton.available(x):
+            if moe_triton.fp8_available(x):
                 return moe_triton.fp8_grouped_mm_small(x, w, w_scale, offs, act_scale_ub)
         # act_scale_ub: fbgemm_fp8's cap on a token's activation amax (models/quant.py);
         # amax_reduce: tensor parallel, rows hold one rank's slice of the inner size

@@ -40,6 +40,16 @@ def available(x: torch.Tensor) -> bool:
     return _interpreting() or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
 
 
+#: The FP8 kernel's switch (``CHUNKLOCAL_FP8_TRITON=0`` turns it off at import): off, FP8
+#: layers of every size go through torch's ``_scaled_mm`` / ``_scaled_grouped_mm``.
+FP8_ENABLED = __import__("os").environ.get("CHUNKLOCAL_FP8_TRITON", "1") != "0"
+
+
+def fp8_available(x: torch.Tensor) -> bool:
+    """:func:`fp8_grouped_mm_small` runs on ``x`` and is switched on."""
+    return FP8_ENABLED and available(x)
+
+
 def _interpreting() -> bool:
     import os
 

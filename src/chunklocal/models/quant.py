@@ -70,7 +70,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias=Non
             and x.stride(-1) == 1:
         from chunklocal.models import moe_triton
 
-        if moe_triton.available(x):
+        if moe_triton.fp8_available(x):
             return moe_triton.fp8_linear_small(x, w, w_scale, act_scale_ub)
     x_fp8, scale = quantize_per_token(x, act_scale_ub, amax_reduce)
     if x.is_cuda:
