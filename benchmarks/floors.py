@@ -9,11 +9,13 @@
   weights and the ``top_k`` experts each token uses, plus causal attention (4 * heads *
   head_dim per (query, visible key) pair, within the chunk on chunked layers).
 * :func:`kernel_profile`: ``torch.profiler`` over a few steps: device time per kernel and the
-  device's idle time per step (the profiled span less the union of kernel intervals).
+  device's idle time per step (the profiled span less the union of kernel intervals), and
+  per kernel class (:func:`kernel_class`: issue 19's table) time and launches per step.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 import numpy as np
@@ -120,6 +122,32 @@ def prefill_flops(config, layer_kinds, prompt_len: int, dense_params: int,
     return linear + per_pair * pairs + 2.0 * config.vocab_size * config.hidden_size
 
 
+#: (class, pattern) in order, first match wins, over full CUDA kernel names as the profiler
+#: gives them (names seen on the H200 with torch 2.11: cuBLASLt's ``nvjet_sm90_*``, with
+#: ``qq`` for FP8 operands; CUTLASS's grouped GEMM under ``torch._scaled_grouped_mm``).
+KERNEL_CLASSES = (
+    # moe_triton's FP8 kernel runs the routed experts and (as one group) the dense layers
+    ("FP8 GEMMs, Triton (experts and dense)", r"_fp8_grouped_gemm_kernel"),
+    ("expert GEMMs", r"GroupProblemShap|_grouped_gemm_kernel|grouped_mm|moe"),
+    ("dense GEMMs, FP8", r"nvjet\w*qq|_scaled_mm|f8f8|e4m3"),
+    ("dense GEMMs, bf16", r"nvjet|gemm|Gemm|cutlass|sm90_xmma|cublas"),
+    ("attention", r"flashinfer::Batch|Attention|flash_fwd|fmha"),
+    ("sampling", r"Sampling|TopK|TopP|argmax|ArgMax|softmax|Softmax|multinomial"),
+    ("KV writes", r"index_copy|index_put|scatter|AppendPaged|append_paged"),
+    ("quantization (amax)", r"reduce_kernel.*(Max|max)|amax|quant"),
+    ("norms, reductions", r"reduce_kernel|rms|norm|Norm"),
+    ("copies", r"direct_copy|copy_kernel|Memcpy|memcpy|cat_|CatArray"),
+    ("gathers", r"index_elementwise|gather|index_select|indexSelect"),
+    ("elementwise", r"elementwise|Elementwise|Memset|fill"),
+)
+_CLASS_RES = [(name, re.compile(pattern)) for name, pattern in KERNEL_CLASSES]
+
+
+def kernel_class(name: str) -> str:
+    """Issue 19's kernel class of a CUDA kernel name (``other`` when none matches)."""
+    return next((cls for cls, pattern in _CLASS_RES if pattern.search(name)), "other")
+
+
 def kernel_profile(step, num_steps: int, device) -> dict:
     """Run ``step()`` ``num_steps`` times under torch.profiler: device ms per kernel (top 12)
     and device idle ms per step."""
@@ -133,13 +161,21 @@ def kernel_profile(step, num_steps: int, device) -> dict:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    spans, per_kernel = [], defaultdict(float)
+    spans, per_kernel, launches = [], defaultdict(float), defaultdict(int)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             spans.append((event.time_range.start, event.time_range.end))
             per_kernel[event.name] += (event.time_range.end - event.time_range.start) / 1e3
+            launches[event.name] += 1
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
     result = {"kernels_ms_per_step": {name[:80]: ms / num_steps for name, ms in top}}
+    classes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for name, ms in per_kernel.items():
+        row = classes[kernel_class(name)]
+        row[0] += ms / num_steps
+        row[1] += launches[name] / num_steps
+    result["classes_per_step"] = {cls: {"ms": ms, "launches": n} for cls, (ms, n) in
+                                  sorted(classes.items(), key=lambda kv: -kv[1][0])}
     if spans:
         busy, span = busy_and_span(spans)
         result.update(device_busy_ms_per_step=busy / 1e3 / num_steps,

@@ -183,6 +183,40 @@ def test_fp8_small_m_smoke(tmp_path):
     assert all(r["bytes"] > 0 and r["floor_us"] > 0 for r in rows)
 
 
+def test_kernel_classes_of_the_names_seen_on_the_h200():
+    """floors.kernel_class on kernel names from the H200 profiles of 2026-12-02 (the
+    profiler's full names; the JSON keeps their first 80 characters)."""
+    from benchmarks.floors import kernel_class
+
+    seen = {
+        "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT": "dense GEMMs, FP8",
+        "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT": "dense GEMMs, bf16",
+        "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShap":
+            "expert GEMMs",
+        "_fp8_grouped_gemm_kernel": "FP8 GEMMs, Triton (experts and dense)",
+        "_grouped_gemm_kernel": "expert GEMMs",
+        "void flashinfer::BatchPrefillWithPagedKVCacheKernel<true, flashinfer::KernelTrai":
+            "attention",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda":
+            "copies",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
+        "at::native::func_wrapper_t<float, at::native::MaxNanFunctor<float> >":
+            "quantization (amax)",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
+        "at::native::MeanOps<float, float, float, float>": "norms, reductions",
+        "void at::native::index_elementwise_kernel<128, 4, at::native::index_copy_kernel_":
+            "KV writes",
+        "void at::native::index_elementwise_kernel<128, 4, at::native::index_kernel_impl":
+            "gathers",
+        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<a":
+            "elementwise",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespa":
+            "elementwise",
+        "some_new_kernel": "other",
+    }
+    assert {name: kernel_class(name) for name in seen} == seen
+
+
 def test_decode_ab_smoke(tmp_path):
     """Both children run (here the same tree twice) and the ratio is written."""
     from pathlib import Path
