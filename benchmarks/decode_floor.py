@@ -305,6 +305,8 @@ def main(argv=None) -> int:
     parser.add_argument("--alternate", type=int, default=0)
     parser.add_argument("--alternate-batch", type=int, default=64)
     parser.add_argument("--alternate-context", type=int, default=1024)
+    parser.add_argument("--routing", choices=("balanced", "model"), default="balanced",
+                        help="balanced: floors.BalancedRouting (spread, as trained routers)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.models, args.batches, args.contexts, args.prefill = ["smoke"], [1, 3], [40, 70], 90
@@ -320,7 +322,7 @@ def main(argv=None) -> int:
                                  "prefill": prefill, "alternate": alternation,
                                  "errors": errors}, args.out)
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, floors.routing(args.routing):
         for model in args.models:
             run_model(model, write_config(Path(tmp) / model, model), args, rates, device,
                       rows, prefill, errors, save)

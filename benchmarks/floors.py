@@ -80,6 +80,46 @@ class RoutingCounter:
         self._module.route = self._route
 
 
+class BalancedRouting:
+    """Spread routing for benchmarks on dummy weights (issue 19: a random model's tokens
+    collapse onto a few experts per layer, where a trained router spreads them): while
+    active, ``models.moe.route`` sends token ``t`` of the ``i``-th MoE call to experts
+    ``(t * top_k + j + i) mod E``, so a step of ``T`` tokens touches ``min(E, T * top_k)``
+    experts of every layer, and scores them with the router's own logits for those experts
+    (the router GEMM still runs).  Device-side and shape-static: graphs captured while it
+    is active replay it.  Enter it before the engine is built (graph capture)."""
+
+    def __enter__(self):
+        from chunklocal.models import moe
+
+        self._module, self._route, calls = moe, moe.route, [0]
+
+        def balanced(x, router, top_k):
+            logits = router(x) if isinstance(router, torch.nn.Module) else \
+                torch.nn.functional.linear(x, router)
+            num_experts = logits.shape[1]
+            calls[0] += 1
+            slots = torch.arange(x.shape[0] * top_k, device=x.device).view(-1, top_k)
+            expert = (slots + calls[0]) % num_experts
+            return expert, torch.sigmoid(logits.gather(1, expert).float()).to(x.dtype)
+
+        moe.route = balanced
+        return self
+
+    def __exit__(self, *exc):
+        self._module.route = self._route
+
+
+def routing(mode: str):
+    """The context a benchmark runs its engines in: "balanced" (:class:`BalancedRouting`)
+    or "model" (the weights' own routing)."""
+    import contextlib
+
+    if mode not in ("balanced", "model"):
+        raise ValueError(f"routing must be 'balanced' or 'model', got {mode!r}")
+    return BalancedRouting() if mode == "balanced" else contextlib.nullcontext()
+
+
 def kv_keys(context: np.ndarray, layer_kinds, chunk_size: int | None) -> int:
     """Keys all layers read for queries at positions ``context`` (one per request)."""
     from chunklocal.backends.base import Kind

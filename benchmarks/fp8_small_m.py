@@ -13,9 +13,8 @@ Two parts, one run (GPU):
   touched (plus activations and outputs) at the copy rate measured in the same run.
 * **Engine**: full-size Scout FP8 (dummy weights, ``benchmarks.decode_floor``'s model)
   decode steps at the given batches, 1k contexts, with the kernel on (the defaults) and off
-  (``moe_triton.FP8_ENABLED = False``), one engine after the other.  The dummy router's
-  routing is what it is (the experts touched per layer are in each row); the kernel part
-  above is the spread-routing figure.
+  (``moe_triton.FP8_ENABLED = False``), one engine after the other, on spread routing
+  (``floors.BalancedRouting``; the experts touched per layer are in each row).
 
     python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
 """
@@ -130,11 +129,11 @@ def engine_rows(rows, batches, steps, device, rates, save, errors) -> None:
     """decode_floor's cells on full-size Scout FP8, kernel off, then on."""
     from argparse import Namespace
 
-    from benchmarks import decode_floor
+    from benchmarks import decode_floor, floors
     from chunklocal.models import moe_triton
 
-    args = Namespace(steps=steps, profile=False, profile_batches=[])
-    with tempfile.TemporaryDirectory() as tmp:
+    args = Namespace(steps=steps, profile=True, profile_batches=batches)  # class tables
+    with tempfile.TemporaryDirectory() as tmp, floors.BalancedRouting():
         path = decode_floor.write_config(Path(tmp) / "scout-fp8", "scout-fp8")
         for label, enabled in (("torch", False), ("triton", True)):
             moe_triton.FP8_ENABLED = enabled

@@ -217,6 +217,28 @@ def test_kernel_classes_of_the_names_seen_on_the_h200():
     assert {name: kernel_class(name) for name in seen} == seen
 
 
+def test_balanced_routing_spreads_every_call_and_restores_the_models_routing():
+    """floors.BalancedRouting: token t of the i-th call to experts (t * top_k + j + i) mod E,
+    scored by the router's own logits there; the model's routing is back on exit."""
+    from benchmarks.floors import BalancedRouting, routing
+    from chunklocal.models import moe
+
+    router = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    original = moe.route
+    with BalancedRouting():
+        first, score = moe.route(x, router, 2)
+        second, _ = moe.route(x, router, 2)
+    assert moe.route is original
+    slots = torch.arange(12).view(6, 2)
+    assert torch.equal(first, (slots + 1) % 4) and torch.equal(second, (slots + 2) % 4)
+    assert torch.allclose(score, torch.sigmoid((x @ router.T).gather(1, first)))
+    with routing("model"):
+        assert moe.route is original
+    with pytest.raises(ValueError, match="routing must be"):
+        routing("uniform")
+
+
 def test_decode_ab_smoke(tmp_path):
     """Both children run (here the same tree twice) and the ratio is written."""
     from pathlib import Path
@@ -293,7 +315,7 @@ def test_device_busy_time_is_the_union_of_kernel_intervals():
 
 def test_decode_floor_smoke(tmp_path):
     from benchmarks import decode_floor
-    from benchmarks.fp8_dummy import SMOKE
+    from benchmarks.fp8_dummy import SCOUT_TEXT, SMOKE
 
     assert decode_floor.main(["--smoke", "--profile", "--out", str(tmp_path)]) == 0
     data = _load(tmp_path / "decode_floor_smoke.json")
@@ -305,7 +327,10 @@ def test_decode_floor_smoke(tmp_path):
     chunk = SMOKE["attention_chunk_size"]
     for row in data["decode"]:
         distinct = row["experts_per_moe_layer"]
-        assert len(distinct) == 4 and all(1 <= d <= min(row["batch"], 16) for d in distinct)
+        # balanced routing (the default): every layer touches min(E, tokens * top_k) experts
+        text = {**SCOUT_TEXT, **SMOKE}
+        spread = min(text["num_local_experts"], row["batch"] * text["num_experts_per_tok"])
+        assert distinct == [spread] * 4
         assert row["routed_bytes"] == sum(distinct) * expert
         assert row["kv_bytes"] % kv_per_key == 0
         keys = row["kv_bytes"] // kv_per_key  # 3 chunked + 1 global layer, queries past ctx
