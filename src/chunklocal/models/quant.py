@@ -68,7 +68,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias=Non
         return x.new_zeros(out_shape)
     if bias is None and amax_reduce is None and x.shape[0] <= SMALL_M_ROWS \
             and x.stride(-1) == 1:
-        from chunklocal.models import moe_triton
+        import chunklocal.models.moe_triton as moe_triton
 
         if moe_triton.fp8_available(x):
             return moe_triton.fp8_linear_small(x, w, w_scale, act_scale_ub)
