@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from chunklocal._validate import cdiv
-from chunklocal.engine.prefix_cache import Hit, PageCache, extend_hashes, find_hit
+from chunklocal.engine.prefix_cache import HASH_ALGOS, Hit, PageCache, extend_hashes, find_hit
 from chunklocal.engine.sequence import Sequence
 from chunklocal.kv_spec import FullAttentionSpec, chunk_size_of, needs_global_pages
 
@@ -116,9 +116,13 @@ class KVGroup:
 
 class BlockManager:
     def __init__(self, groups: list[KVGroup], max_rows: int, max_pages: int,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, hash_algo: str = "builtin"):
+        if hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got "
+                             f"{hash_algo!r}")
         self.groups = groups
         self.prefix_caching = prefix_caching
+        self.hash_algo = hash_algo
         for grp in groups:
             grp.cache = PageCache(grp.num_blocks) if prefix_caching else None
         #: Prefix cache statistics in tokens, counted at admission (vLLM's
@@ -149,7 +153,7 @@ class BlockManager:
         bs = self.groups[0].block_size
         if len(seq.block_hashes) < seq.num_prompt_tokens // bs:
             extend_hashes(seq.block_hashes, seq.token_ids, bs, seq.num_prompt_tokens // bs,
-                          seq.cache_key)
+                          seq.cache_key, self.hash_algo)
         return seq.block_hashes
 
     def _gain(self, grp: KVGroup, seq: Sequence, g: int) -> int:
