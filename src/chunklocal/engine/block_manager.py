@@ -27,6 +27,7 @@ block table is one fancy-index gather instead of a loop over requests.
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -134,6 +135,9 @@ class BlockManager:
         self.num_pages = np.zeros((len(groups), max_rows), dtype=np.int64)
         self.first_owned = np.zeros((len(groups), max_rows), dtype=np.int64)
         self.free_rows = deque(range(max_rows))
+        #: Held by the engine loop while it admits (lookup to allocate) or frees, and by
+        #: :meth:`reset_prefix_cache` (called from any thread).
+        self.lock = threading.RLock()
 
     def table_rows(self, rows: np.ndarray, g: int, width: int) -> np.ndarray:
         """[len(rows), width] block table of group ``g`` for the requests holding table
@@ -266,11 +270,26 @@ class BlockManager:
 
     def reset_cache(self) -> None:
         """Forget every block hash (call with no page in use: after a failed step)."""
-        for grp in self.groups:
-            if grp.cache is not None:
-                grp.cache.reset(grp.free_blocks)
+        with self.lock:
+            for grp in self.groups:
+                if grp.cache is not None:
+                    grp.cache.reset(grp.free_blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: forget every cached block; False, with nothing
+        forgotten, while some request holds pages (safe from any thread: a request can
+        only get pages again through an admission, which holds ``lock``)."""
+        with self.lock:
+            if any(grp.num_free != grp.num_blocks for grp in self.groups):
+                return False
+            self.reset_cache()
+            return True
 
     def free(self, seq: Sequence) -> None:
+        with self.lock:
+            self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
         for g, grp in enumerate(self.groups):
             grp.release(seq.block_tables[g][seq.first_owned_page[g]:])
             seq.block_tables[g] = []

@@ -288,6 +288,10 @@ class LLM(OwnsWorkers):
         """The checkpoint's tokenizer (as vLLM's ``LLM.get_tokenizer()``)."""
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget all cached KV blocks; False (none forgotten) while a request holds KV."""
+        return self.block_manager.reset_prefix_cache()
+
     def prompt_logits(self, prompts, last_only: bool = False) -> list[torch.Tensor]:
         """float32 logits [prompt_len, vocab] (or [1, vocab]) per prompt, from a normal
         engine run (same batching, chunked prefill and KV paging as generate())."""

@@ -195,11 +195,13 @@ class Scheduler:
                 budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hit = self.block_manager.lookup(seq)  # prefix cache: None when off or no hit
-            num_new = min(seq.num_uncomputed - (0 if hit is None else hit.num_tokens), budget)
-            if not self.block_manager.can_allocate(seq, num_new, hit):
-                break  # admission waits for pages
-            self.block_manager.allocate(seq, num_new, hit)
+            with self.block_manager.lock:  # a hit's pages stay cached until allocated
+                hit = self.block_manager.lookup(seq)  # prefix cache: None when off or no hit
+                num_new = min(seq.num_uncomputed - (0 if hit is None else hit.num_tokens),
+                              budget)
+                if not self.block_manager.can_allocate(seq, num_new, hit):
+                    break  # admission waits for pages
+                self.block_manager.allocate(seq, num_new, hit)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app (FastAPI): /v1/models, /v1/completions,
 /v1/chat/completions, vLLM's /tokenize, /detokenize, /version and /ping, /health and
-/metrics.
+/metrics; with VLLM_SERVER_DEV_MODE=1, vLLM's dev route POST /reset_prefix_cache.
 
 Until the engine is loaded /health and /v1 answer 503.  Request bodies are run only as
 ``application/json`` (else 415).  Every refusal is OpenAI's error JSON, and nothing a
@@ -14,6 +14,7 @@ import copy
 import hmac
 import json
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
 
@@ -266,6 +267,13 @@ def build_app(state: ServerState) -> FastAPI:
         text = await tokenize(request, prompts.detokenize, req, core.tokenizer,
                               state.vocab_size)
         return JSONResponse({"prompt": text})
+
+    if os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip() not in ("", "0"):  # as vLLM
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():  # vLLM's dev route: 200 either way, a warning if not
+            if not state.ready_core().llm.reset_prefix_cache():
+                log.warning("reset_prefix_cache: requests still hold KV blocks; nothing reset")
+            return Response(status_code=200)
 
     @app.get("/version")
     async def version():
