@@ -55,13 +55,18 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_triton_kernel_in_interpreter():
+def run_in_interpreter(script: str) -> None:
+    """``script`` in a fresh process with Triton's interpreter on; it must print "ok"."""
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(tests), *sys.path]))
-    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=tests,
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_triton_kernel_in_interpreter():
+    run_in_interpreter(SCRIPT)
 
 
 FP8_SCRIPT = textwrap.dedent("""
@@ -128,9 +133,4 @@ FP8_SCRIPT = textwrap.dedent("""
 def test_fp8_triton_kernel_in_interpreter():
     """The FP8 kernel with its fused quantization: groups with empty experts, an all-zero
     row, fbgemm's amax cap, the one-group (dense) form, and both dispatch points."""
-    tests = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(tests), *sys.path]))
-    run = subprocess.run([sys.executable, "-c", FP8_SCRIPT], env=env, cwd=tests,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    run_in_interpreter(FP8_SCRIPT)

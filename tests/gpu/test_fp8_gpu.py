@@ -122,24 +122,28 @@ def test_scaled_grouped_mm_equals_cpu_reference(sizes):
     assert error_ratio(got[:m], x, w, scale, want, rows_of) <= 1.0
 
 
-@torch.inference_mode()
-def test_scaled_grouped_mm_replays_in_a_cuda_graph_with_new_routing():
-    """Decode steps replay one captured grouped GEMM with other offsets every step."""
+def check_replays_with_new_routing(grouped_mm) -> None:
+    """``grouped_mm(x, w, scale, offs)`` captured once replays other offsets each step (as
+    decode steps do) with the eager result."""
     e, n, k, m = 6, 256, 128, 8
     w, scale = fp8_weights(e, n, k, seed=5)
     w, scale = w.cuda(), scale.cuda()
     x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
     offs = torch.zeros(e, dtype=torch.int32, device="cuda")
-    fp8_grouped_mm(x, w, scale, offs)  # warm-up outside the capture
+    grouped_mm(x, w, scale, offs)  # warm-up (and any compile) outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp8_grouped_mm(x, w, scale, offs)
+        out = grouped_mm(x, w, scale, offs)
     for seed, sizes in enumerate([[8, 0, 0, 0, 0, 0], [1, 2, 0, 3, 1, 1], [0, 0, 0, 0, 0, 8]]):
         x.copy_(torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16())
         offs.copy_(torch.tensor(sizes).cumsum(0))
         graph.replay()
-        eager = fp8_grouped_mm(x, w, scale, offs)
-        assert torch.equal(out, eager), sizes
+        assert torch.equal(out, grouped_mm(x, w, scale, offs)), sizes
+
+
+@torch.inference_mode()
+def test_scaled_grouped_mm_replays_in_a_cuda_graph_with_new_routing():
+    check_replays_with_new_routing(fp8_grouped_mm)
 
 
 def same_fraction(outs_a, outs_b):

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from test_fp8_gpu import error_ratio, fp8_weights  # noqa: E402
+from test_fp8_gpu import check_replays_with_new_routing, error_ratio, fp8_weights  # noqa: E402
 
 from chunklocal.models import moe_triton, quant  # noqa: E402
 from chunklocal.models.moe import expert_mm  # noqa: E402
@@ -57,20 +57,7 @@ def test_grouped_kernel_equals_cpu_reference(sizes, ub):
 
 @torch.inference_mode()
 def test_grouped_kernel_replays_in_a_cuda_graph_with_new_routing():
-    e, n, k, m = 6, 256, 512, 8
-    w, scale = fp8_weights(e, n, k, seed=5)
-    w, scale = w.cuda(), scale.cuda()
-    x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
-    offs = torch.zeros(e, dtype=torch.int32, device="cuda")
-    moe_triton.fp8_grouped_mm_small(x, w, scale, offs)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_triton.fp8_grouped_mm_small(x, w, scale, offs)
-    for seed, sizes in enumerate([[8, 0, 0, 0, 0, 0], [1, 2, 0, 3, 1, 1], [0, 0, 0, 0, 0, 8]]):
-        x.copy_(bf16_rows(m, k, seed))
-        offs.copy_(torch.tensor(sizes).cumsum(0))
-        graph.replay()
-        assert torch.equal(out, moe_triton.fp8_grouped_mm_small(x, w, scale, offs)), sizes
+    check_replays_with_new_routing(moe_triton.fp8_grouped_mm_small)
 
 
 def test_dispatch_takes_the_kernel_up_to_its_row_limits(monkeypatch):
