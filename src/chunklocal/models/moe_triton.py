@@ -86,7 +86,9 @@ if triton is not None:
 
 
 if triton is not None:
-    @triton.jit
+    # num_rows (the batch) and scale_ub vary per call: no recompiles for them (a 1 or a
+    # multiple of 16 would otherwise each get a kernel of its own, at graph capture too)
+    @triton.jit(do_not_specialize=["num_rows", "scale_ub"])
     def _fp8_grouped_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, N, K, scale_ub,
                                  stride_xm, stride_we, stride_wn, stride_se, stride_om,
                                  num_rows, HAS_OFFS: tl.constexpr, HAS_UB: tl.constexpr,
