@@ -74,9 +74,13 @@ def test_a_reset_waits_for_an_admission_between_lookup_and_allocate():
             box["early"] = not box["thread"].is_alive()  # it reset inside the admission
         return hit
 
+    def decode_changes_after_the_reset(seqs):  # the next step: the request holds its pages
+        box["thread"].join(10)
+        return BlockManager.decode_changes(manager, seqs)
+
     manager.lookup = lookup_then_reset
+    manager.decode_changes = decode_changes_after_the_reset
     seqs = drive(scheduler, [prompt], 3)
-    box["thread"].join(10)
     assert not box["early"] and box["reset"] is False and seqs[0].num_cached_tokens == 20
     assert manager.reset_prefix_cache() is True and cached_blocks(manager) == 0
 
