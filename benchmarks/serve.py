@@ -26,7 +26,6 @@ are empty, tokens are counted) for the GPU.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import shlex
 import signal
@@ -37,6 +36,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import base_parser, format_table, write_json
+from benchmarks.serve_client import Connection
 
 _SERVE = "import sys; from chunklocal.cli import main; sys.exit(main())"
 
@@ -91,38 +91,32 @@ def percentile(values, q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def _one(client, body: dict) -> dict:
-    """Send one streaming request; return its timings, text and token counts."""
+async def _one(conn, body: dict) -> dict:
+    """Send one streaming request on ``conn`` (benchmarks/serve_client.py); return its
+    timings, text and token counts."""
     rec = {"ttft": None, "itl": [], "tokens": 0, "text": "", "finish": None, "usage": None,
            "error": None}
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    rec["error"] = chunk["error"]["message"]
-                    continue
-                now = time.perf_counter()
-                if not chunk["choices"]:  # the include_usage chunk
-                    rec["usage"] = chunk["usage"]["completion_tokens"]
-                    continue
-                choice = chunk["choices"][0]
-                new = chunk["usage"]["completion_tokens"] - rec["tokens"]
-                if new > 0:
-                    if rec["tokens"] == 0:
-                        rec["ttft"] = now - start
-                    else:
-                        rec["itl"].extend([(now - last) / new] * new)
-                    rec["tokens"] += new
-                    last = now
-                rec["text"] += choice["text"]
-                rec["finish"] = choice["finish_reason"] or rec["finish"]
+        async for chunk in conn.stream_events("/v1/completions", body):
+            if "error" in chunk:
+                rec["error"] = chunk["error"]["message"]
+                continue
+            now = time.perf_counter()
+            if not chunk["choices"]:  # the include_usage chunk
+                rec["usage"] = chunk["usage"]["completion_tokens"]
+                continue
+            choice = chunk["choices"][0]
+            new = chunk["usage"]["completion_tokens"] - rec["tokens"]
+            if new > 0:
+                if rec["tokens"] == 0:
+                    rec["ttft"] = now - start
+                else:
+                    rec["itl"].extend([(now - last) / new] * new)
+                rec["tokens"] += new
+                last = now
+            rec["text"] += choice["text"]
+            rec["finish"] = choice["finish_reason"] or rec["finish"]
     except Exception as err:  # noqa: BLE001 - recorded as a failed request
         rec["error"] = f"{type(err).__name__}: {err}"
     rec["e2e"] = time.perf_counter() - start
@@ -139,28 +133,31 @@ def _problem(rec: dict, max_tokens: int) -> str | None:
 
 
 async def run_level(url, model, headers, prompts, clients, max_tokens, duration, timeout):
-    import httpx
-
     bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
                "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
               for p in prompts]
     records: list[tuple[int, dict]] = []
     next_index = iter(range(len(bodies)))
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
-                                 limits=limits) as client:
-        start = time.perf_counter()
+    start = time.perf_counter()
 
-        async def worker():
+    async def worker():
+        conn = Connection(url, headers)  # one keep-alive connection per client
+        try:
             for i in next_index:
                 if time.perf_counter() - start > duration:
                     return
-                records.append((i, await _one(client, bodies[i])))
+                try:
+                    rec = await asyncio.wait_for(_one(conn, bodies[i]), timeout)
+                except asyncio.TimeoutError:
+                    await conn.close()
+                    rec = {"error": f"no answer within {timeout} s (--timeout)"}
+                records.append((i, rec))
+        finally:
+            await conn.close()
 
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        wall = time.perf_counter() - start
-    return records, wall
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return records, time.perf_counter() - start
 
 
 async def verify(url, model, headers, prompts, records, max_tokens, k) -> list[str]:

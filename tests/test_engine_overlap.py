@@ -109,7 +109,8 @@ def test_nothing_past_eos_stop_token_or_stop_string(path, monkeypatch):
     published = []
     real = RequestStream._publish
     monkeypatch.setattr(RequestStream, "_publish",
-                        lambda self: (published.append(self._request.snapshot()), real(self))[1])
+                        lambda self, *a: (published.append(self._request.snapshot()),
+                                          real(self, *a))[1])
     got = overlapped.generate(prompts, params)
     final = {out.request_id: out for out in got}
     want = sync.generate(prompts, params)

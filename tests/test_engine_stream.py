@@ -104,9 +104,9 @@ def scripted(llm, monkeypatch):
     monkeypatch.setattr(llm.runner, "sampler", Scripted(scripts))
     published = []  # every snapshot the loop publishes, in order
 
-    def recording(self):
+    def recording(self, *args):
         published.append(self._request.snapshot())
-        return real(self)
+        return real(self, *args)
 
     real = RequestStream._publish
     monkeypatch.setattr(RequestStream, "_publish", recording)
@@ -179,8 +179,8 @@ def test_stream_prefix_property_end_to_end(llm, text, stop, include):
     sampler = llm.runner.sampler
     prompt = [9, 9, len(text)]
     llm.runner.sampler = Scripted({tuple(prompt): encode(text) + [1] * 40})
-    RequestStream._publish = lambda self: (published.append(self._request.snapshot()),
-                                           real(self))[1]
+    RequestStream._publish = lambda self, *a: (published.append(self._request.snapshot()),
+                                               real(self, *a))[1]
     try:
         params = SamplingParams(max_tokens=len(encode(text)) + 2, stop=[stop],
                                 include_stop_str_in_output=include)

@@ -319,7 +319,7 @@ class EngineCore:
                     sample.finish("abort")
             self._finish(req)
 
-    def _finish(self, req: Request, error: BaseException | None = None) -> None:
+    def _finish(self, req: Request, error: BaseException | None = None, wakeups=None):
         """The request is done (call with its stream's condition held): publish, forget."""
         req.finished_time = time.monotonic()
         req.error = error
@@ -330,7 +330,7 @@ class EngineCore:
         self._requests.pop(req.request_id, None)
         with self._lock:
             self._live.pop(req.request_id, None)
-        req.stream._publish()
+        req.stream._publish(wakeups)
 
 
 def _abort_weakly(core_ref, request_id, wait=False) -> None:

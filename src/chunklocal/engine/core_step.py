@@ -12,6 +12,7 @@ import time
 
 from chunklocal.engine.overlap import overlappable, provisional, resolve
 from chunklocal.engine.sequence import Status
+from chunklocal.engine.stream import Wakeups
 
 
 def run_loop(core_ref, commands, device) -> None:
@@ -151,30 +152,35 @@ def fail_all(core, err: BaseException) -> None:
 
 def _publish(core, batch, out, step=None) -> None:
     """Per request that advanced: take its tokens, then finish or publish it, under its
-    stream's lock once (a request of n > 1 samples publishes after all of them)."""
+    stream's lock once (a request of n > 1 samples publishes after all of them); the
+    asyncio readers are woken once per event loop when all are published."""
     multi = {}
     now, step = time.monotonic(), core.num_steps if step is None else step
-    for i, seq in enumerate(batch.seqs):
-        req = seq.sample.request
-        if req.first_step is None:
-            req.first_step = step
-        req.last_step = step
-        if len(out.tokens[i]) == 0 or seq.sample.finish_reason is not None:
-            continue  # a prefill piece short of the prompt's end, or finished meanwhile
-        with req.stream._cond:
-            _advance(core, seq.sample, seq, out, i, now)
-            if len(req.samples) > 1:
-                multi[req.request_id] = req
-            elif seq.sample.finish_reason is not None:
-                core._finish(req)
-            else:
-                req.stream._publish()
-    for req in multi.values():
-        with req.stream._cond:
-            if req.finished:
-                core._finish(req)
-            else:
-                req.stream._publish()
+    wake = Wakeups()
+    try:
+        for i, seq in enumerate(batch.seqs):
+            req = seq.sample.request
+            if req.first_step is None:
+                req.first_step = step
+            req.last_step = step
+            if len(out.tokens[i]) == 0 or seq.sample.finish_reason is not None:
+                continue  # a prefill piece short of the prompt's end, or finished meanwhile
+            with req.stream._cond:
+                _advance(core, seq.sample, seq, out, i, now)
+                if len(req.samples) > 1:
+                    multi[req.request_id] = req
+                elif seq.sample.finish_reason is not None:
+                    core._finish(req, wakeups=wake)
+                else:
+                    req.stream._publish(wake)
+        for req in multi.values():
+            with req.stream._cond:
+                if req.finished:
+                    core._finish(req, wakeups=wake)
+                else:
+                    req.stream._publish(wake)
+    finally:  # a reader published to is woken even if a later request raised
+        wake.send()
 
 
 def _advance(core, sample, seq, out, i: int, now: float) -> None:
