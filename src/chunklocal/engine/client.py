@@ -27,8 +27,9 @@ def generate(llm, prompts, sampling_params, max_new_tokens, temperature, ignore_
              use_tqdm):
     if use_tqdm is not None:
         use_tqdm = as_bool(use_tqdm, "use_tqdm")
-    if isinstance(prompts, str):  # one prompt, as vLLM takes it
+    if isinstance(prompts, (str, dict)):  # one prompt, as vLLM takes it
         prompts = [prompts]
+    prompts, dict_texts = _prompt_dicts(llm, prompts)
     if isinstance(sampling_params, int) and not isinstance(sampling_params, bool):
         max_new_tokens, sampling_params = sampling_params, None  # old positional form
     legacy = (max_new_tokens, temperature, ignore_eos) != (None, None, None)
@@ -41,8 +42,49 @@ def generate(llm, prompts, sampling_params, max_new_tokens, temperature, ignore_
         raise ValueError("pass max_new_tokens / temperature / ignore_eos inside the "
                          "SamplingParams, not beside it")
     token_lists, as_text = llm._check_prompts(prompts, 1, room_for_new_tokens=False)
-    texts = prompts if as_text else [None] * len(token_lists)
+    texts = prompts if as_text else dict_texts or [None] * len(token_lists)
     return _request_outputs(llm, token_lists, texts, sampling_params, use_tqdm, "generate")
+
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt_dicts(llm, prompts):
+    """vLLM's TextPrompt ``{"prompt": str}`` and TokensPrompt ``{"prompt_token_ids": [...]}``
+    as the plain forms: (prompts, texts per prompt or None).  Text dicts beside token ones
+    are tokenized here (the plain forms do not mix); a dict of another shape is refused
+    naming its index and keys (an image's ``multi_modal_data`` is left to the check that
+    refuses images)."""
+    if not isinstance(prompts, (list, tuple)) or not any(isinstance(p, dict) for p in prompts):
+        return prompts, None
+    plain, texts = [], []
+    for i, p in enumerate(prompts):
+        if not isinstance(p, dict) or "multi_modal_data" in p:
+            plain.append(p)
+            texts.append(p if isinstance(p, str) else None)
+            continue
+        keys = [k for k in _PROMPT_KEYS if k in p]
+        extra = sorted(set(p) - set(_PROMPT_KEYS))
+        if len(keys) != 1 or extra:
+            raise ValueError(f"prompt {i}: a prompt dict holds exactly one of 'prompt' (a "
+                             f"string) or 'prompt_token_ids' (a list of token ids), got keys "
+                             f"{sorted(p)}")
+        value = p[keys[0]]
+        if keys[0] == "prompt" and not isinstance(value, str):
+            raise ValueError(f"prompt {i}: 'prompt' must be a string, got "
+                             f"{type(value).__name__}")
+        if keys[0] == "prompt_token_ids" and not isinstance(value, (list, tuple)):
+            raise ValueError(f"prompt {i}: 'prompt_token_ids' must be a list of token ids, "
+                             f"got {type(value).__name__}")
+        plain.append(value)
+        texts.append(value if keys[0] == "prompt" else None)
+    if all(isinstance(p, str) for p in plain) or not any(isinstance(p, str) for p in plain):
+        return plain, texts
+    try:
+        tokenizer = llm.tokenizer
+    except ValueError as err:
+        raise ValueError(f"text prompts need a tokenizer: {err}") from err
+    return [tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in plain], texts
 
 
 def chat(llm, messages, sampling_params, use_tqdm, chat_template, add_generation_prompt,
