@@ -153,11 +153,18 @@ class BlockManager:
         bs = self.groups[0].block_size
         return find_hit(self.groups, hashes, min(len(hashes), (len(seq) - 1) // bs))
 
-    def _hashes(self, seq: Sequence) -> list[int]:
-        bs = self.groups[0].block_size
-        if len(seq.block_hashes) < seq.num_prompt_tokens // bs:
-            extend_hashes(seq.block_hashes, seq.token_ids, bs, seq.num_prompt_tokens // bs,
-                          seq.cache_key, self.hash_algo)
+    def _hashes(self, seq: Sequence, num_blocks: int = 0) -> list[int]:
+        """``seq``'s block hashes: the prompt's (shared by its samples), and to ``num_blocks``
+        (generated blocks: a list of its own first)."""
+        bs, prompt = self.groups[0].block_size, seq.num_prompt_tokens // self.groups[0].block_size
+        if len(seq.block_hashes) < prompt:
+            extend_hashes(seq.block_hashes, seq.token_ids, bs, prompt, seq.cache_key,
+                          self.hash_algo)
+        if num_blocks > len(seq.block_hashes):
+            if len(seq.block_hashes) == prompt:  # the samples part after the prompt
+                seq.block_hashes = list(seq.block_hashes)
+            extend_hashes(seq.block_hashes, seq.token_ids, bs, num_blocks, seq.cache_key,
+                          self.hash_algo)
         return seq.block_hashes
 
     def _gain(self, grp: KVGroup, seq: Sequence, g: int) -> int:
@@ -189,7 +196,7 @@ class BlockManager:
         with no change are no-ops of :meth:`allocate` (they hold a row already, so the
         row mirrors ``num_pages`` / ``first_owned`` hold their state).  With prefix caching
         a stale page may be shared (it frees nothing), so stale pages count as no gain: a
-        check that is only stricter, and a decode never hashes its pages.
+        check that is only stricter (a request left out registers its blocks later).
         """
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         num_computed = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
@@ -219,6 +226,8 @@ class BlockManager:
                 self._admit(seq, hit)
             elif seq.num_cached_tokens is None:
                 seq.num_cached_tokens = 0
+        elif self.prefix_caching:  # blocks computed since (before stale pages go)
+            self._register(seq, seq.num_computed)
         for g, grp in enumerate(self.groups):
             table, row = seq.block_tables[g], self.tables[g][seq.row]
             stale = grp.stale_pages(seq, g)
@@ -235,8 +244,8 @@ class BlockManager:
             self.num_pages[g, seq.row] = len(table)
             self.first_owned[g, seq.row] = seq.first_owned_page[g]
             grp.peak_used = max(grp.peak_used, grp.num_used)
-        if self.prefix_caching and seq.num_registered < len(seq.block_hashes):
-            self._register(seq, num_new)
+        if self.prefix_caching:
+            self._register(seq, seq.num_computed + num_new)
 
     def _admit(self, seq: Sequence, hit: Hit | None) -> None:
         """Statistics, and the hit's pages shared into ``seq``'s (empty) tables."""
@@ -257,16 +266,22 @@ class BlockManager:
         seq.num_computed = hit.num_tokens  # whole blocks
         seq.num_registered = hit.num_tokens // self.groups[0].block_size
 
-    def _register(self, seq: Sequence, num_new: int) -> None:
-        """Hash the prompt's blocks this step fills (their KV is written this step)."""
-        bs, hashes = self.groups[0].block_size, seq.block_hashes
-        end = min(len(hashes), (seq.num_computed + num_new) // bs)
+    def _register(self, seq: Sequence, end: int) -> None:
+        """Register the full blocks of positions ``[0, end)`` whose tokens are known (a
+        placeholder of an overlapped step is not) and whose KV is written (or being written
+        by this step): prompt and generated blocks alike, as vLLM."""
+        bs = self.groups[0].block_size
+        known = len(seq.token_ids) if seq.placeholder_index is None else seq.placeholder_index
+        num_blocks = min(end, known) // bs
+        if num_blocks <= seq.num_registered:
+            return
+        hashes = self._hashes(seq, num_blocks)
         for g, grp in enumerate(self.groups):
             cache, table = grp.cache, seq.block_tables[g]
             assert cache is not None
-            for j in range(max(seq.num_registered, seq.first_owned_page[g]), end):
+            for j in range(max(seq.num_registered, seq.first_owned_page[g]), num_blocks):
                 cache.register(table[j], hashes[j])
-        seq.num_registered = max(seq.num_registered, end)
+        seq.num_registered = num_blocks
 
     def reset_cache(self) -> None:
         """Forget every block hash (call with no page in use: after a failed step)."""
@@ -287,6 +302,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         with self.lock:
+            if self.prefix_caching and seq.row is not None:
+                self._register(seq, seq.num_computed)  # its last blocks stay cached too
             self._free(seq)
 
     def _free(self, seq: Sequence) -> None:

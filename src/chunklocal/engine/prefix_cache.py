@@ -10,8 +10,11 @@ keyed (a tuple of ints hashes alike in every process; only the root's str hash c
 PYTHONHASHSEED), so a crafted prompt could collide with another prefix.  "sha256" hashes
 ``h_{j-1}``'s 32 bytes and the block's tokens as int64 bytes of one buffer (about 1 us a
 block): for tenants that must not alias each other's KV (or give them distinct cache salts).
-Only blocks wholly inside the prompt are hashed: generated tokens (also placeholders of
-overlapped steps, and a decode's new pages) never are, so ``decode_changes`` needs no hashing.
+Full blocks of generated tokens are hashed and registered too (as vLLM), so a follow-up
+turn that resends the answer hits them: a block is registered once its KV is written (or
+being written by the step) and its tokens are known (never with an overlapped step's
+placeholder), at the request's next allocation (before stale pages go) or when it is freed;
+the samples of a request share the prompt's hashes and chain their own answers.
 
 Hit rule (:func:`find_hit`).  ``P`` cached tokens are a hit when every KV group holds
 what the token at ``P`` needs: a global or merged group every block of ``[0, P)``, a
@@ -27,6 +30,8 @@ free stack first, then evicts from the evictable set (dropping the page's hash).
 revives evictable pages (count 1) or shares pages in use (count + 1).  A block's hash is
 registered when it is scheduled (:meth:`BlockManager.allocate`), as in vLLM: a request
 hitting it in the same step reads it after the layer wrote the whole batch's KV.
+Registering changes no count (a freed page is available whether free or evictable), so
+``decode_changes`` needs no hashing.
 """
 
 from __future__ import annotations
