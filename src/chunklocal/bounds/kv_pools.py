@@ -116,7 +116,8 @@ def plan_kv_pools(layers_of: dict[Kind, int], specs: dict[Kind, Any], *, hybrid:
     whole_seq = cdiv(max_model_len, block_size)
     kinds = [kind for kind in Kind if kind in specs]
     separate = hybrid or len(kinds) == 1
-    shapes = []  # (name, kinds, need, layers, bytes of one page of the group)
+    shapes: list[tuple[str, tuple[Kind, ...], int, int, int]] = []
+    # (name, kinds, need, layers, bytes of one page of the group) per pool
     for kind in kinds if separate else ():
         chunk = chunk_size_of(specs[kind])
         need = chunked_request_pages(chunk, max_num_batched_tokens, max_model_len,

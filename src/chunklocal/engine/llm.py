@@ -3,28 +3,43 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+from dataclasses import replace
 
 import torch
 
-from chunklocal._validate import cdiv, check_chunk_geometry
+from chunklocal._validate import cdiv
 from chunklocal.backends.base import EngineLimits, Kind
 from chunklocal.backends.factory import BACKEND_DEVICES, resolve_backend
 from chunklocal.bounds.closed_forms import max_virtual_batches
-from chunklocal.bounds.kv_pools import plan_kv_pools
+from chunklocal.bounds.kv_pools import KVPoolPlan, plan_kv_pools
 from chunklocal.engine.block_manager import BlockManager, KVGroup, available_memory
-from chunklocal.engine.llm_args import check_arguments, check_model, default_sampling
+from chunklocal.engine.config import EngineConfig
+from chunklocal.engine.llm_args import check_model, default_sampling
+from chunklocal.engine.memory import (
+    CPU_KV_FRACTION,
+    Baseline,
+    CudaMemory,
+    DeviceMemory,
+    MemoryBudget,
+    MemoryFactory,
+    check_start,
+    startup_line,
+)
 from chunklocal.engine.requests import check_prompts, load_tokenizer
-from chunklocal.engine.runner_setup import RunnerSetup, build_runner
+from chunklocal.engine.runner_setup import RunnerSetup, build_runner, pool_sizes, profile_run
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.stats import GenerateStats
 from chunklocal.engine.workers import OwnsWorkers, start_workers
 from chunklocal.kv_quant import cache_dtype
-from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
+from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec
 from chunklocal.models.llama4_config import generation_eos, layer_kind, read_config
 from chunklocal.models.loader import load_model, plan_load
 from chunklocal.models.parallel import TPGroup
-from chunklocal.models.sharding import check_tensor_parallel, kv_head_split
+from chunklocal.models.sharding import kv_head_split
+
+log = logging.getLogger(__name__)
 
 
 class LLM(OwnsWorkers):
@@ -35,7 +50,10 @@ class LLM(OwnsWorkers):
     ``max_num_batched_tokens``: requests and query tokens per step (drafts count).
     ``max_model_len``: prompt + new tokens per request (default: the config's
     max_position_embeddings).  ``num_kv_blocks``: pages of ``block_size`` tokens in
-    the global (or merged) group's pool; None sizes it from a memory budget.
+    the global (or merged) group's pool; None sizes it from a memory budget:
+    ``gpu_memory_utilization`` (vLLM's, default 0.9) of the GPU's total memory for weights,
+    profiled activations, CUDA graphs and KV; on the CPU, 40% of the available RAM after
+    the weights (engine/memory.py).  Every setting is checked into ``engine_config``.
     ``hybrid_kv_cache``: separate global and chunked KV groups (the chunked one
     frees pages before the current chunk); False merges every layer into one
     group that keeps every page.  ``cuda_graphs``: replay decode and verify steps
@@ -79,6 +97,10 @@ class LLM(OwnsWorkers):
     #: (tests/flashinfer_standin.py) with a recorder that replays on the CPU.
     backend_devices = BACKEND_DEVICES
     graph_recorder = None
+    #: Makes the device-memory queries gpu_memory_utilization sizes the KV pools by
+    #: (engine/memory.py); None: torch.cuda's on a GPU, the RAM budget on the CPU.  CPU
+    #: tests inject a fake to run the GPU procedure.
+    device_memory: MemoryFactory | None = None
 
     def __init__(self, model, *, device="cpu", dtype=None, max_num_seqs=256,
                  max_num_batched_tokens=8192, max_model_len=None, block_size=16,
@@ -86,60 +108,44 @@ class LLM(OwnsWorkers):
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto",
                  generation_config="auto", max_waiting_requests=None,
                  async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp",
-                 enable_prefix_caching=True, kv_cache_dtype="auto"):
+                 enable_prefix_caching=True, kv_cache_dtype="auto",
+                 gpu_memory_utilization=0.9):
+        settings = dict(locals())  # every keyword argument: EngineConfig's fields
+        del settings["self"], settings["model"]
         self.model_dir = check_model(model)
-        args = check_arguments(
-            device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            block_size=block_size, num_kv_blocks=num_kv_blocks,
-            attention_backend=attention_backend, cuda_graphs=cuda_graphs,
-            hybrid_kv_cache=hybrid_kv_cache, num_speculative_tokens=num_speculative_tokens,
-            seed=seed, load_format=load_format, generation_config=generation_config,
-            max_waiting_requests=max_waiting_requests, async_scheduling=async_scheduling,
-            tensor_parallel_size=tensor_parallel_size, moe_parallel=moe_parallel,
-            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype)
-        self.enable_prefix_caching = args["enable_prefix_caching"]
-        dtype, self.device, seed = args["dtype"], args["device"], args["seed"]
-        cuda_graphs, hybrid_kv_cache = args["cuda_graphs"], args["hybrid_kv_cache"]
-        max_model_len, num_kv_blocks = args["max_model_len"], args["num_kv_blocks"]
+        cfg = EngineConfig(**settings)  # each setting by itself, before config.json is read
         ckpt = read_config(self.model_dir)
         config = self.config = ckpt.text
-        n = self.tensor_parallel_size = check_tensor_parallel(config, tensor_parallel_size,
-                                                              moe_parallel)
+        cfg = self.engine_config = cfg.for_model(config)
+        dtype, self.device, seed, load_format = cfg.dtype, cfg.device, cfg.seed, cfg.load_format
+        n = self.tensor_parallel_size = cfg.tensor_parallel_size
         if self.device.type == "cuda" and self.device.index is None and n == 1:
             # One GPU, named once: the caller's current one.  The weights, graphs, sampler
             # and the engine core's loop thread all use this index, whatever thread runs.
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if max_model_len is None:
-            max_model_len = config.max_position_embeddings
-        elif max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the config's "
-                             f"max_position_embeddings {config.max_position_embeddings}")
-        self.max_waiting_requests = args["max_waiting_requests"]
-        self.async_scheduling = args["async_scheduling"]
-        if self.async_scheduling and n > 1:
-            raise ValueError(f"async_scheduling is not supported with tensor_parallel_size "
-                             f"{n} > 1 (the ranks run one step at a time): pass "
-                             f"async_scheduling=False")
-        self.default_sampling = default_sampling(generation_config, self.model_dir, load_format)
-        self.max_model_len = int(max_model_len)
+        self.max_num_seqs, self.max_num_batched_tokens = cfg.max_num_seqs, \
+            cfg.max_num_batched_tokens
+        self.max_model_len = int(cfg.max_model_len or config.max_position_embeddings)
+        self.block_size, self.num_speculative_tokens = cfg.block_size, cfg.num_speculative_tokens
+        self.max_waiting_requests, self.async_scheduling = cfg.max_waiting_requests, \
+            cfg.async_scheduling
+        self.enable_prefix_caching, self.kv_cache_dtype = cfg.enable_prefix_caching, \
+            cfg.kv_cache_dtype
+        self.gpu_memory_utilization = cfg.gpu_memory_utilization
+        self.default_sampling = default_sampling(cfg.generation_config, self.model_dir,
+                                                 load_format)
         chunk = config.attention_chunk_size
-        if chunk is not None:
-            check_chunk_geometry(chunk, block_size)
-        self.max_num_seqs, self.block_size = int(max_num_seqs), int(block_size)
-        self.max_num_batched_tokens = int(max_num_batched_tokens)
-        self.num_speculative_tokens = int(num_speculative_tokens)
         # Graphs are recorded by torch.cuda on a GPU, or by an injected graph_recorder.
-        self.cuda_graphs = cuda_graphs and (self.device.type == "cuda"
-                                            or self.graph_recorder is not None)
+        self.cuda_graphs = cfg.cuda_graphs and (self.device.type == "cuda"
+                                                or self.graph_recorder is not None)
 
-        backend_name = resolve_backend(attention_backend, self.device, self.backend_devices)
+        backend_name = resolve_backend(cfg.attention_backend, self.device, self.backend_devices)
         if dtype is None and backend_name == "flashinfer":
             # FlashInfer kernels run in 16-bit; keep a 16-bit checkpoint dtype, else bf16.
             dtype = ckpt.dtype if ckpt.dtype in (torch.float16, torch.bfloat16) \
                 else torch.bfloat16
         kv_dtype = dtype or ckpt.dtype or torch.float32
-        self.kv_cache_dtype = args["kv_cache_dtype"]  # pages: kv_dtype, or e4m3 ("fp8")
+        # pages: kv_dtype, or e4m3 (kv_cache_dtype "fp8")
         self.cuda_graphs = self.cuda_graphs and backend_name == "flashinfer"
         eos = set(ckpt.eos_token_ids)
         if load_format != "dummy":  # dummy weights: nothing but config.json is read
@@ -147,21 +153,37 @@ class LLM(OwnsWorkers):
         self.eos_ids = frozenset(eos)
         self.image_token_index = ckpt.image_token_index
         # headers only, all checked; with N ranks, rank 0's slices (every rank's size)
-        plan = plan_load(self.model_dir, ckpt, load_format, TPGroup(0, n, None, moe_parallel))
+        plan = plan_load(self.model_dir, ckpt, load_format, TPGroup(0, n, None, cfg.moe_parallel))
         self.layer_kinds = [layer_kind(config, i) for i in range(config.num_hidden_layers)]
         specs = {kind: self._spec(kind, cache_dtype(self.kv_cache_dtype, kv_dtype))
                  for kind in set(self.layer_kinds)}
         if n > 1:  # the ranks start (and report their free memory) before any weight loads
             self.workers = start_workers(n, self.model_dir, self.device, kv_dtype,
-                                         moe_parallel, load_format, seed)
-        groups, kind_to_group = self._make_groups(specs, hybrid_kv_cache, num_kv_blocks,
-                                                  plan.weight_bytes(kv_dtype),
-                                                  self.workers and self.workers.free_bytes)
+                                         cfg.moe_parallel, load_format, seed)
+        # Pools planned before any weight loads: what cannot fit is refused now.
+        memory = self._memory() if n == 1 and cfg.num_kv_blocks is None else None
+        baseline = Baseline.take(memory) if memory is not None else None
+        pools = self._plan_pools(specs, cfg.hybrid_kv_cache, cfg.num_kv_blocks,
+                                 plan.weight_bytes(kv_dtype), baseline)
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" and n == 1 \
             else contextlib.nullcontext()  # kernels launched while building go to our GPU
         with on_device:
             self.model = load_model(plan, self.device, kv_dtype, seed) if n == 1 else None
-        self.groups = groups
+        setup = RunnerSetup(
+            pool_sizes(pools, specs), pools.kind_to_group, backend_name,
+            EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                         self.block_size),
+            config.num_attention_heads // n, kv_dtype, self.num_speculative_tokens,
+            self.cuda_graphs, seed, chunk, self.graph_recorder)
+        self.memory_budget = None
+        if memory is not None and baseline is not None:  # gpu_memory_utilization sizes KV
+            with on_device:
+                self.memory_budget = self._profile(setup, memory, baseline)
+            pools = self._plan_pools(specs, cfg.hybrid_kv_cache, None, 0, baseline,
+                                     self.memory_budget)
+            setup = replace(setup, groups=pool_sizes(pools, specs))
+        self.kv_pools, self.group_names = pools, [pool.name for pool in pools.groups]
+        self.groups = groups = [KVGroup(spec, pages) for spec, pages in setup.groups]
         self.max_virtual_batches = (
             max_virtual_batches(self.max_num_seqs, self.max_num_batched_tokens, chunk,
                                        self.max_model_len) if chunk else self.max_num_seqs)
@@ -171,18 +193,17 @@ class LLM(OwnsWorkers):
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.num_speculative_tokens, pad_drafts=self.cuda_graphs)
-        setup = RunnerSetup(
-            tuple((grp.spec, grp.num_blocks) for grp in groups), kind_to_group, backend_name,
-            EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                         self.block_size),
-            config.num_attention_heads // n, kv_dtype, self.num_speculative_tokens,
-            self.cuda_graphs, seed, chunk, self.graph_recorder)
         if n == 1:
             with on_device:  # CUDA graphs are captured here
                 self.runner = build_runner(setup, self.model, self.device, self.block_manager)
         elif self.workers is not None:  # every rank loads its slices, builds its backends
             #                              and captures its graphs
             self.runner = self.workers.start_runners(setup, self.block_manager)
+        log.info("%s", startup_line(
+            plan.weight_bytes(kv_dtype) if self.memory_budget is None
+            else self.memory_budget.weights, pools.total_bytes,
+            dict(zip(self.group_names, (g.pages for g in pools.groups), strict=True)),
+            pools.requests_fit(), self.max_model_len, self.memory_budget, cfg.num_kv_blocks))
         self._tokenizer = None
         self._core = None
         self._core_lock = threading.Lock()
@@ -197,23 +218,49 @@ class LLM(OwnsWorkers):
             return ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=c.attention_chunk_size)
         return FullAttentionSpec(*geometry)
 
-    def _make_groups(self, specs, hybrid, num_kv_blocks, weight_bytes=0, free_bytes=None):
-        """KV groups sized before the weights load (bounds/kv_pools.py): a pool that cannot
-        hold one request of max_model_len is refused with a max_model_len that fits.  Per
-        rank: specs hold a rank's KV heads, weight_bytes its slices, free_bytes its least
-        free memory."""
-        available = free_bytes
+    def _memory(self) -> DeviceMemory | None:
+        """The device queries gpu_memory_utilization sizes the pools by (None on the CPU,
+        which keeps its RAM budget: engine/memory.py)."""
+        if self.device_memory is not None:
+            return self.device_memory(self.device)
+        return CudaMemory(self.device) if self.device.type == "cuda" else None
+
+    def _plan_pools(self, specs, hybrid, num_kv_blocks, weight_bytes, baseline=None,
+                    budget=None) -> KVPoolPlan:
+        """The pools of bounds/kv_pools.py (per rank: specs hold a rank's KV heads,
+        weight_bytes its slices).  With ``budget`` (profiled): what it leaves.  With a
+        ``baseline`` alone, before the weights load: the weights and one request of
+        max_model_len must fit in gpu_memory_utilization (activations not yet known).
+        Else ``num_kv_blocks``, or the CPU's RAM budget (and, with tensor parallelism, 40%
+        of the least free memory of the ranks after their weights)."""
+        kw = dict(hybrid=hybrid, max_num_seqs=self.max_num_seqs,
+                  max_num_batched_tokens=self.max_num_batched_tokens,
+                  max_model_len=self.max_model_len, block_size=self.block_size,
+                  device=str(self.device))
+        layers = {kind: self.layer_kinds.count(kind) for kind in specs}
+        if baseline is not None:
+            if budget is None:
+                check_start(baseline, self.gpu_memory_utilization, weight_bytes,
+                            str(self.device))
+                budget = MemoryBudget(self.gpu_memory_utilization, baseline.total,
+                                      weight_bytes)
+            return plan_kv_pools(layers, specs, available=budget.requested,
+                                 weight_bytes=budget.weights, reserved_bytes=budget.reserved,
+                                 fraction=1.0, budget_note=budget.note(), **kw)
+        available = self.workers.free_bytes if self.workers is not None else None
         if available is None:  # the CPU's RAM is shared by the ranks of one host
             available = available_memory(self.device) // self.tensor_parallel_size
-        pools = plan_kv_pools(
-            {kind: self.layer_kinds.count(kind) for kind in specs}, specs, hybrid=hybrid,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, block_size=self.block_size, available=available,
-            num_kv_blocks=num_kv_blocks, weight_bytes=weight_bytes, device=str(self.device))
-        self.group_names = [pool.name for pool in pools.groups]
-        return [KVGroup(merge([specs[k] for k in pool.kinds]) if len(pool.kinds) > 1
-                        else specs[pool.kinds[0]], pool.pages)
-                for pool in pools.groups], pools.kind_to_group
+        return plan_kv_pools(layers, specs, available=available, num_kv_blocks=num_kv_blocks,
+                             weight_bytes=weight_bytes, fraction=CPU_KV_FRACTION, **kw)
+
+    def _profile(self, setup, memory, baseline) -> MemoryBudget:
+        """The weights as loaded, and one step of the largest shape (and of the largest
+        graph) measured: what gpu_memory_utilization leaves for the pools."""
+        weights = memory.allocated() - baseline.allocated
+        activations, graphs = profile_run(setup, self.model, self.device, memory,
+                                          self.config.vocab_size)
+        return MemoryBudget(self.gpu_memory_utilization, baseline.total, weights,
+                            activations, graphs, baseline.outside_torch(memory))
 
     def shutdown(self) -> None:
         """Stop the engine core's loop and end the tensor-parallel workers (idempotent)."""

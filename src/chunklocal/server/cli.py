@@ -34,7 +34,7 @@ LLM_FLAGS = {
     "max_waiting_requests": "max_waiting_requests", "load_format": "load_format",
     "async_scheduling": "async_scheduling", "enable_prefix_caching": "enable_prefix_caching",
     "tensor_parallel_size": "tensor_parallel_size", "moe_parallel": "moe_parallel",
-    "kv_cache_dtype": "kv_cache_dtype",
+    "kv_cache_dtype": "kv_cache_dtype", "gpu_memory_utilization": "gpu_memory_utilization",
 }
 # Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
 _DEFAULTS_IF_ABSENT = {"load_format": "auto"}
@@ -121,6 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
                    type=_positive, default=None,
                    help="KV pages in the global group (default: sized from memory)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction (0, 1] of the GPU's total memory for weights, activations, "
+                   "CUDA graphs and KV, as vLLM's flag (default 0.9; the CPU keeps a RAM "
+                   "budget of its own)")
     e.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "flashinfer"],
                    help="auto: flashinfer on cuda, torch on the cpu (default auto)")
