@@ -60,6 +60,8 @@ def check_idle(manager: BlockManager) -> None:
     for grp in manager.groups:
         assert grp.num_free == grp.num_blocks, "a page not back when idle"
         assert grp.cache is None or not any(grp.cache.ref)
+    assert len(manager.free_rows) == manager.tables[0].shape[0], "a table row not back"
+    assert not manager.num_pages.any() and not manager.first_owned.any()
 
 
 # -- fake model ---------------------------------------------------------------------------------
