@@ -11,8 +11,10 @@ import json
 
 import numpy as np
 import pytest
+import test_engine_memory as tm
 import torch
 from llama4_tiny import write_tiny_llama4
+from test_engine_memory import fake  # noqa: F401  (the fake device memory fixture)
 
 import chunklocal
 from chunklocal import cli
@@ -151,3 +153,29 @@ def test_plan_kv_cache_dtype_fp8_halves_the_pages():
     bf16, fp8 = plan_pools.kv_pools(**kw), plan_pools.kv_pools(**kw, kv_dtype_bytes=1)
     assert fp8["page_bytes_per_layer"] * 2 == bf16["page_bytes_per_layer"]
     assert fp8["one_request"]["bytes"] * 2 == bf16["one_request"]["bytes"]
+
+
+@pytest.mark.usefixtures("fake")
+def test_plan_of_a_checkpoint_is_what_llm_allocates(path, capsys):
+    """``chunklocal plan --model DIR`` and ``LLM(DIR)`` on a device of the same memory (the
+    fake of test_engine_memory: its weights, activations and non-torch growth given to plan)
+    size the same pools."""
+    llm = chunklocal.LLM(path, gpu_memory_utilization=0.75, **tm.KW)
+    reserved = (tm.ACTIVATIONS + tm.CONTEXT) / GIB
+    rc, out, err = run_plan(capsys, "--model", str(path), "--dtype", "float32",
+                            "--max-num-seqs", "256", "--max-num-batched-tokens", "96",
+                            "--max-model-len", "1024", "--device-memory-gib", str(64 / 1024),
+                            "--gpu-memory-utilization", "0.75", "--weights-gib",
+                            str(tm.WEIGHTS / GIB), "--activations-gib", str(reserved),
+                            "--json")
+    assert rc == 0, err
+    pools = json.loads(out)["kv_pools"]
+    assert [(g["name"], g["pages"]) for g in pools["groups"]] == \
+        [(g.name, g.pages) for g in llm.kv_pools.groups]
+    assert pools["layers"] == {"chunked": 3, "global": 1}
+    # Without --weights-gib: the checkpoint's own weights, as the loader sizes them.
+    rc, out, _ = run_plan(capsys, "--model", str(path), "--dtype", "float32",
+                          "--max-num-seqs", "4", "--max-model-len", "1024",
+                          "--device-memory-gib", "1", "--json")
+    weights = sum(t.numel() * t.element_size() for t in llm.model.state_dict().values())
+    assert json.loads(out)["kv_pools"]["budget"]["weight_bytes"] == weights

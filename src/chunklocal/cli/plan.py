@@ -176,6 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     try:
+        plan_pools.apply_checkpoint(args)  # --model: the checkpoint's layers and chunk
         result = plan(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
                       args.chunk_size, args.block_size, args.cuda_graphs,
                       args.num_speculative_tokens)

@@ -37,10 +37,11 @@ def kv_pools(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
              global_every: int = 4, num_kv_heads: int = 8, head_dim: int = 128,
              kv_dtype_bytes: int = 2, device_memory_gib: float | None = None,
              gpu_memory_utilization: float = 0.9, weights_gib: float = 0.0,
-             activations_gib: float = 0.0) -> dict:
+             activations_gib: float = 0.0, layers_of: dict[Kind, int] | None = None) -> dict:
     """The pools, JSON-ready.  ``kv_memory_gib`` is all for KV (no weights, fraction 1);
     ``device_memory_gib``: the engine's budget, ``gpu_memory_utilization`` of it less the
-    weights and activations; with ``num_kv_blocks`` alone no memory limit is checked."""
+    weights and activations; with ``num_kv_blocks`` alone no memory limit is checked.
+    ``layers_of``: layers of each kind (a checkpoint's), instead of the pattern."""
     if sum(x is not None for x in (num_kv_blocks, kv_memory_gib, device_memory_gib)) != 1:
         raise ValueError("pass exactly one of num_kv_blocks, kv_memory_gib and "
                          "device_memory_gib")
@@ -52,7 +53,7 @@ def kv_pools(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
         if not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     page = 2 * block_size * num_kv_heads * head_dim * kv_dtype_bytes
-    layers_of = layer_counts(num_layers, global_every)
+    layers_of = layers_of or layer_counts(num_layers, global_every)
     specs = {kind: PageShape(page, chunk_size if kind is Kind.CHUNKED else None)
              for kind in layers_of}
     limits: dict[str, Any] = dict(max_num_seqs=max_num_seqs,
@@ -126,8 +127,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "--gpu-memory-utilization of it less weights and activations")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction (0, 1] of --device-memory-gib (default 0.9, vLLM's)")
-    group.add_argument("--weights-gib", type=float, default=0.0,
-                       help="GiB of weights per rank (with --device-memory-gib; default 0)")
+    group.add_argument("--weights-gib", type=float, default=None,
+                       help="GiB of weights per rank (with --device-memory-gib; default: "
+                       "--model's, else 0)")
+    group.add_argument("--model", default=None, metavar="DIR",
+                       help="a checkpoint directory: its config.json gives the layers, KV "
+                       "heads, head_dim, chunk size and dtype, and its weights' size "
+                       "(in --dtype) the default --weights-gib")
+    group.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16",
+                                                               "float32"],
+                       help="with --model: the weights' (and KV's) dtype (default bfloat16, "
+                       "as the engine on a GPU)")
     group.add_argument("--activations-gib", type=float, default=0.0,
                        help="GiB of peak activations and CUDA graphs, as the engine profiles "
                        "them (with --device-memory-gib; default 0)")
@@ -141,6 +151,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       ("--head-dim", "head_dim"), ("--kv-dtype-bytes", "kv_dtype_bytes")):
         group.add_argument(flag, type=positive_int, default=SCOUT[key],
                            help=f"default {SCOUT[key]} (Scout)")
+
+
+def apply_checkpoint(args) -> None:
+    """With ``--model``: the checkpoint's shape in place of the pattern flags (and its
+    chunk in place of --chunk-size), read as ``LLM`` reads it (no tensor data: the weights'
+    size from the config's shapes, FP8 where the checkpoint's quantization says)."""
+    if args.model is None:
+        args.layers_of = None
+        return
+    import torch
+
+    from chunklocal.engine.llm_args import check_model
+    from chunklocal.models.llama4_config import layer_kind, read_config
+    from chunklocal.models.loader import plan_load
+
+    ckpt = read_config(check_model(args.model))
+    c = ckpt.text
+    kinds = [layer_kind(c, i) for i in range(c.num_hidden_layers)]
+    args.layers_of = {kind: kinds.count(kind) for kind in Kind if kind in kinds}
+    args.chunk_size = c.attention_chunk_size or args.max_model_len
+    args.num_kv_heads, args.head_dim = c.num_key_value_heads, c.head_dim
+    dtype = getattr(torch, args.dtype)
+    args.kv_dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    if args.weights_gib is None:
+        args.weights_gib = plan_load(args.model, ckpt, "dummy").weight_bytes(dtype) / GIB
 
 
 def engine_config(args) -> EngineConfig:
@@ -174,4 +209,5 @@ def from_args(args) -> dict | None:
                     kv_dtype_bytes=1 if fp8 else args.kv_dtype_bytes,
                     device_memory_gib=args.device_memory_gib,
                     gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    weights_gib=args.weights_gib, activations_gib=args.activations_gib)
+                    weights_gib=args.weights_gib or 0.0, activations_gib=args.activations_gib,
+                    layers_of=args.layers_of)
