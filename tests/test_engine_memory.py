@@ -68,7 +68,7 @@ def fake(monkeypatch):
     """LLM's device memory is a FakeMemory of 64 MiB; loading the weights takes WEIGHTS of
     it (and CONTEXT outside torch); each runner step is recorded with its token count."""
     memory = FakeMemory(64 * MIB)
-    monkeypatch.setattr(chunklocal.LLM, "device_memory", lambda self_or_device, *a: memory)
+    monkeypatch.setattr(chunklocal.LLM, "device_memory", lambda device: memory)
     real_load, real_run = llm_module.load_model, ModelRunner.run
 
     def load(*args, **kwargs):

@@ -221,8 +221,9 @@ class LLM(OwnsWorkers):
     def _memory(self) -> DeviceMemory | None:
         """The device queries gpu_memory_utilization sizes the pools by (None on the CPU,
         which keeps its RAM budget: engine/memory.py)."""
-        if self.device_memory is not None:
-            return self.device_memory(self.device)
+        factory = type(self).device_memory  # a class attribute: a plain function or class
+        if factory is not None:
+            return factory(self.device)
         return CudaMemory(self.device) if self.device.type == "cuda" else None
 
     def _plan_pools(self, specs, hybrid, num_kv_blocks, weight_bytes, baseline=None,
