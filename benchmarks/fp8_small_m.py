@@ -12,8 +12,8 @@ Two parts, one run (GPU):
   ``REPLAYS`` calls, so launch gaps are not counted for either.  Floor: the weight bytes
   touched (plus activations and outputs) at the copy rate measured in the same run.
 * **Engine**: full-size Scout FP8 (dummy weights, ``benchmarks.decode_floor``'s model)
-  decode steps at the given batches, 1k contexts, with the kernel on (the defaults) and off
-  (``moe_triton.FP8_ENABLED = False``), one engine after the other, on spread routing
+  decode steps at the given batches, 1k contexts, with the kernel off and on
+  (``moe_triton.FP8_ENABLED``), one engine after the other, on spread routing
   (``floors.BalancedRouting``; the experts touched per layer are in each row).
 
     python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
@@ -135,6 +135,7 @@ def engine_rows(rows, batches, steps, device, rates, save, errors) -> None:
     args = Namespace(steps=steps, profile=True, profile_batches=batches)  # class tables
     with tempfile.TemporaryDirectory() as tmp, floors.BalancedRouting():
         path = decode_floor.write_config(Path(tmp) / "scout-fp8", "scout-fp8")
+        default = moe_triton.FP8_ENABLED
         for label, enabled in (("torch", False), ("triton", True)):
             moe_triton.FP8_ENABLED = enabled
             try:
@@ -152,7 +153,7 @@ def engine_rows(rows, batches, steps, device, rates, save, errors) -> None:
                 llm.shutdown()
                 del llm
             finally:
-                moe_triton.FP8_ENABLED = True
+                moe_triton.FP8_ENABLED = default
             gc.collect()
             torch.cuda.empty_cache()
 

@@ -239,6 +239,21 @@ def test_balanced_routing_spreads_every_call_and_restores_the_models_routing():
         routing("uniform")
 
 
+def test_long_context_smoke(tmp_path):
+    """Both parts on the tiny model: the long request is prefilled in chunks and decoded to
+    its last token; the capacity part runs both KV dtypes and decodes the batch that fits."""
+    from benchmarks import long_context
+
+    assert long_context.main(["--smoke", "--part", "long", "--out", str(tmp_path)]) == 0
+    (row,) = _load(tmp_path / "long_context_long_smoke.json")["rows"]
+    assert row["new_tokens"] == 4 and row["prefill_steps"] == -(-300 // 64)
+    assert row["prefill_s"] > 0 and row["tpot_ms"] > 0
+    assert long_context.main(["--smoke", "--part", "capacity", "--out", str(tmp_path)]) == 0
+    rows = _load(tmp_path / "long_context_capacity_smoke.json")["rows"]
+    assert [r["kv_cache_dtype"] for r in rows] == ["auto", "fp8"]
+    assert all(r["fit"] == r["asked"] == 6 and r["decode_ms"] > 0 for r in rows)
+
+
 def test_decode_ab_smoke(tmp_path):
     """Both children run (here the same tree twice) and the ratio is written."""
     from pathlib import Path

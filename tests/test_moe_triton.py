@@ -75,6 +75,8 @@ FP8_SCRIPT = textwrap.dedent("""
     from chunklocal.models.moe import expert_mm
     from chunklocal.models.quant import FP8, dequantize, fp8_linear, quantize_per_token
 
+    assert not moe_triton.FP8_ENABLED  # off by default (CHUNKLOCAL_FP8_TRITON=1 turns it on)
+    moe_triton.FP8_ENABLED = True
     gen = torch.Generator().manual_seed(0)
     e, n, k = 5, 48, 96
     w = (torch.randn(e, n, k, generator=gen) * 0.5).to(FP8)
@@ -118,7 +120,7 @@ FP8_SCRIPT = textwrap.dedent("""
         moe_triton.fp8_linear_small = real
         assert calls == [1]
         check(dense, slice(0, 9), torch.full((9,), 2), ub)
-    # CHUNKLOCAL_FP8_TRITON=0's switch: both dispatch points back on torch's path
+    # the switch off: both dispatch points back on torch's path
     moe_triton.FP8_ENABLED = False
     calls = []
     for name in ("fp8_grouped_mm_small", "fp8_linear_small"):

@@ -40,9 +40,10 @@ def available(x: torch.Tensor) -> bool:
     return _interpreting() or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
 
 
-#: The FP8 kernel's switch (``CHUNKLOCAL_FP8_TRITON=0`` turns it off at import): off, FP8
+#: The FP8 kernel's switch, read at import: ``CHUNKLOCAL_FP8_TRITON=1`` turns it on.  Off
+#: (the default until it has run and been measured on a GPU: docs/gpu-runbook.md), FP8
 #: layers of every size go through torch's ``_scaled_mm`` / ``_scaled_grouped_mm``.
-FP8_ENABLED = __import__("os").environ.get("CHUNKLOCAL_FP8_TRITON", "1") != "0"
+FP8_ENABLED = __import__("os").environ.get("CHUNKLOCAL_FP8_TRITON", "0") == "1"
 
 
 def fp8_available(x: torch.Tensor) -> bool:
