@@ -134,6 +134,33 @@ def test_two_ranks_over_gloo_with_graphs(ckpt):
         assert llm.runner.graph_steps > 0
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prefix_cache_hits_through_the_flashinfer_path_with_graphs(ckpt, tp):
+    """Issue 21 with CUDA graphs and tensor parallelism: prompts sharing prefixes across
+    chunk (16) and page boundaries, sent after the first of them; the cached engine serves
+    prefix hits (rank 0 decides them; every rank reads the same pages) and its tokens
+    equal the uncached torch backend's."""
+    from chunklocal.engine.sampling import SamplingParams
+
+    path, _ = ckpt
+    rng = random.Random(11)
+    base = [rng.randrange(512) for _ in range(70)]
+    prompts = [base[:n] + [rng.randrange(512)] for n in (33, 47, 64, 69)]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = dict(ENGINE, block_size=4)  # a chunk is 4 pages: hits hold part of its window
+    ref = chunklocal.LLM(path, attention_backend="torch", enable_prefix_caching=False, **kw)
+    want = [o.outputs[0].token_ids for o in ref.generate([base] + prompts, greedy,
+                                                         use_tqdm=False)]
+    with StandinLLM(path, attention_backend="flashinfer", tensor_parallel_size=tp,
+                    **kw) as llm:
+        got = llm.generate([base], greedy, use_tqdm=False)  # fills the cache first
+        got += llm.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert all(o.num_cached_tokens >= 32 for o in got[1:]), [o.num_cached_tokens
+                                                                 for o in got]
+        assert llm.runner.graph_steps > 0
+
+
 def test_flashinfer_on_the_cpu_is_refused_without_the_widened_devices(ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match="attention_backend='flashinfer' needs a CUDA device"):
