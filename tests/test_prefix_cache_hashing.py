@@ -61,3 +61,35 @@ def test_hits_and_outputs_the_same_with_either_algorithm():
         check_idle(scheduler.block_manager)
         hits[algo] = scheduler.block_manager.prefix_cache_hits
     assert len(set(hits.values())) == 1 and min(hits.values()) > 0
+
+
+def test_llm_and_serve_take_the_hash_algorithm(tmp_path):
+    """``LLM(prefix_caching_hash_algo=...)`` (vLLM's argument; ``--prefix-caching-hash-algo``
+    on the server) reaches the block manager; a bad value is refused before loading."""
+    import argparse
+
+    import numpy as np
+    from llama4_tiny import write_tiny_llama4
+
+    import chunklocal
+    from chunklocal.engine.sampling import SamplingParams
+    from chunklocal.server import cli as serve_cli
+
+    write_tiny_llama4(tmp_path, seed=1, attention_chunk_size=16)
+    prompt = np.random.default_rng(4).integers(1, 512, 50).tolist()
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    outs = {}
+    for algo in HASH_ALGOS:
+        llm = chunklocal.LLM(tmp_path, block_size=8, max_model_len=96,
+                             prefix_caching_hash_algo=algo)
+        assert llm.block_manager.hash_algo == algo
+        first, second = (llm.generate([prompt], greedy, use_tqdm=False)[0] for _ in range(2))
+        assert second.num_cached_tokens == 48
+        outs[algo] = second.outputs[0].token_ids
+    assert outs["builtin"] == outs["sha256"]
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo must be one of"):
+        chunklocal.LLM(tmp_path, prefix_caching_hash_algo="md5")
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args([str(tmp_path), "--prefix-caching-hash-algo", "sha256"])
+    assert serve_cli.llm_kwargs(args)["prefix_caching_hash_algo"] == "sha256"

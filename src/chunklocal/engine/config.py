@@ -45,6 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
+    prefix_caching_hash_algo: str = "builtin"  # or "sha256" (engine/prefix_cache.py)
 
     def __post_init__(self):
         checked = check_arguments(**{f.name: getattr(self, f.name) for f in fields(self)})

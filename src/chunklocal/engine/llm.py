@@ -72,8 +72,9 @@ class LLM(OwnsWorkers):
     for admission in ``llm.core`` before add_request refuses (None: no limit).
     ``async_scheduling``: prepare step n+1 on the host while the device runs step n
     (engine/overlap.py; off with speculative decoding or penalties), same outputs.
-    ``enable_prefix_caching``: reuse the KV of cached full prompt blocks (vLLM's default
-    on; engine/prefix_cache.py), same outputs; False computes every prompt token.
+    ``enable_prefix_caching``: reuse the KV of cached full blocks (vLLM's default on;
+    engine/prefix_cache.py), same outputs; ``prefix_caching_hash_algo``: "builtin" or
+    "sha256" (unguessable hashes: tenants' prefixes cannot be made to collide).
 
     Everything is checked before any weight loads: config.json (and
     generation_config.json, whose EOS ids stop generation too), the tensors' names,
@@ -109,7 +110,7 @@ class LLM(OwnsWorkers):
                  generation_config="auto", max_waiting_requests=None,
                  async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp",
                  enable_prefix_caching=True, kv_cache_dtype="auto",
-                 gpu_memory_utilization=0.9):
+                 gpu_memory_utilization=0.9, prefix_caching_hash_algo="builtin"):
         settings = dict(locals())  # every keyword argument: EngineConfig's fields
         del settings["self"], settings["model"]
         self.model_dir = check_model(model)
@@ -189,7 +190,8 @@ class LLM(OwnsWorkers):
                                        self.max_model_len) if chunk else self.max_num_seqs)
         self.block_manager = BlockManager(groups, self.max_num_seqs,
                                           cdiv(self.max_model_len, self.block_size),
-                                          self.enable_prefix_caching)
+                                          self.enable_prefix_caching,
+                                          cfg.prefix_caching_hash_algo)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.num_speculative_tokens, pad_drafts=self.cuda_graphs)

@@ -15,6 +15,7 @@ from pathlib import Path
 from chunklocal._validate import as_bool, as_int
 from chunklocal.backends.factory import BACKENDS
 from chunklocal.engine.memory import check_utilization
+from chunklocal.engine.prefix_cache import HASH_ALGOS
 from chunklocal.engine.requests import check_device, torch_dtype
 from chunklocal.engine.sampling import generation_config_defaults
 from chunklocal.kv_quant import check_kv_cache_dtype
@@ -56,7 +57,8 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
                     hybrid_kv_cache, num_speculative_tokens, seed, load_format,
                     generation_config, max_waiting_requests, async_scheduling,
                     tensor_parallel_size, moe_parallel, enable_prefix_caching=True,
-                    kv_cache_dtype="auto", gpu_memory_utilization=0.9) -> dict:
+                    kv_cache_dtype="auto", gpu_memory_utilization=0.9,
+                    prefix_caching_hash_algo="builtin") -> dict:
     """Every argument but ``model``, checked by itself; returns them normalised (ints as
     int, the device as a torch.device, the dtype as a torch.dtype or None)."""
     out = dict(
@@ -74,6 +76,8 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
         load_format=_choice(load_format, "load_format", LOAD_FORMATS),
         kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype),
         gpu_memory_utilization=check_utilization(gpu_memory_utilization),
+        prefix_caching_hash_algo=_choice(prefix_caching_hash_algo, "prefix_caching_hash_algo",
+                                         HASH_ALGOS),
     )
     if not isinstance(moe_parallel, str) or moe_parallel not in MOE_PARALLEL:
         raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {moe_parallel!r}")

@@ -35,6 +35,7 @@ LLM_FLAGS = {
     "async_scheduling": "async_scheduling", "enable_prefix_caching": "enable_prefix_caching",
     "tensor_parallel_size": "tensor_parallel_size", "moe_parallel": "moe_parallel",
     "kv_cache_dtype": "kv_cache_dtype", "gpu_memory_utilization": "gpu_memory_utilization",
+    "prefix_caching_hash_algo": "prefix_caching_hash_algo",
 }
 # Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
 _DEFAULTS_IF_ABSENT = {"load_format": "auto"}
@@ -148,6 +149,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default tp)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of cached prompt prefixes (vLLM's flag; default on)")
+    e.add_argument("--prefix-caching-hash-algo", default="builtin", choices=["builtin", "sha256"],
+                   help="block hashes: Python's (builtin) or sha256, which a crafted prompt "
+                   "cannot collide with (vLLM's flag; default builtin)")
     e.add_argument("--async-scheduling", action="store_true",
                    help="prepare step n+1 on the host while the device runs step n (vLLM's "
                    "flag; off with speculative decoding or penalties; default off)")
