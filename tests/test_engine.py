@@ -333,6 +333,29 @@ def test_string_prompts_use_the_checkpoint_tokenizer(tmp_path):
     assert got == want
 
 
+def test_a_tokenizer_directory_other_than_the_models(tmp_path):
+    """``LLM(tokenizer=DIR)`` (vLLM's argument) tokenizes with DIR's tokenizer; a path that
+    is not a directory is refused by name before loading."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    hf = write_tiny_llama4(tmp_path / "model", seed=3)
+    words = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(512)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(
+        tmp_path / "tok")
+    llm = chunklocal.LLM(tmp_path / "model", max_model_len=128, tokenizer=tmp_path / "tok")
+    from chunklocal.engine.sampling import SamplingParams
+
+    (out,) = llm.generate(["w5 w7 w9"], SamplingParams(max_tokens=4, temperature=0.0),
+                          use_tqdm=False)
+    assert out.prompt_token_ids == [5, 7, 9]
+    assert out.outputs[0].token_ids == hf_greedy(hf, [5, 7, 9], 4)
+    assert llm.get_tokenizer().convert_ids_to_tokens([11]) == ["w11"]
+    with pytest.raises(ValueError, match="tokenizer must be a tokenizer directory"):
+        chunklocal.LLM(tmp_path / "model", tokenizer=tmp_path / "absent")
+
+
 def test_string_prompt_without_a_tokenizer(ckpt):
     path, hf = ckpt
     llm = chunklocal.LLM(path, max_model_len=64)

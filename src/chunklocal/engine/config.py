@@ -46,6 +46,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     prefix_caching_hash_algo: str = "builtin"  # or "sha256" (engine/prefix_cache.py)
+    tokenizer: str | os.PathLike | None = None  # None: the model directory's
 
     def __post_init__(self):
         checked = check_arguments(**{f.name: getattr(self, f.name) for f in fields(self)})

@@ -74,7 +74,7 @@ class LLM(OwnsWorkers):
     (engine/overlap.py; off with speculative decoding or penalties), same outputs.
     ``enable_prefix_caching``: reuse the KV of cached full blocks (vLLM's default on;
     engine/prefix_cache.py), same outputs; ``prefix_caching_hash_algo``: "builtin" or
-    "sha256" (unguessable hashes: tenants' prefixes cannot be made to collide).
+    "sha256" (no crafted collisions).  ``tokenizer``: a directory other than the model's.
 
     Everything is checked before any weight loads: config.json (and
     generation_config.json, whose EOS ids stop generation too), the tensors' names,
@@ -109,7 +109,7 @@ class LLM(OwnsWorkers):
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto",
                  generation_config="auto", max_waiting_requests=None,
                  async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp",
-                 enable_prefix_caching=True, kv_cache_dtype="auto",
+                 enable_prefix_caching=True, kv_cache_dtype="auto", tokenizer=None,
                  gpu_memory_utilization=0.9, prefix_caching_hash_algo="builtin"):
         settings = dict(locals())  # every keyword argument: EngineConfig's fields
         del settings["self"], settings["model"]
@@ -275,9 +275,9 @@ class LLM(OwnsWorkers):
     # -- requests -----------------------------------------------------------------------------
     @property
     def tokenizer(self):
-        """The checkpoint directory's tokenizer (transformers' AutoTokenizer)."""
+        """The tokenizer (transformers' AutoTokenizer) of ``tokenizer``, else the model's."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.model_dir)
+            self._tokenizer = load_tokenizer(self.engine_config.tokenizer or self.model_dir)
         return self._tokenizer
 
     def _check_prompts(self, prompts, max_new_tokens, room_for_new_tokens=True):

@@ -58,7 +58,7 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
                     generation_config, max_waiting_requests, async_scheduling,
                     tensor_parallel_size, moe_parallel, enable_prefix_caching=True,
                     kv_cache_dtype="auto", gpu_memory_utilization=0.9,
-                    prefix_caching_hash_algo="builtin") -> dict:
+                    prefix_caching_hash_algo="builtin", tokenizer=None) -> dict:
     """Every argument but ``model``, checked by itself; returns them normalised (ints as
     int, the device as a torch.device, the dtype as a torch.dtype or None)."""
     out = dict(
@@ -93,6 +93,11 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
     if not 0 <= as_int(seed, "seed") < SEED_LIMIT:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     out["seed"] = int(seed)
+    if tokenizer is not None and not (isinstance(tokenizer, (str, os.PathLike))
+                                      and Path(tokenizer).is_dir()):
+        raise ValueError(f"tokenizer must be a tokenizer directory (None: the model's), got "
+                         f"{tokenizer!r}")
+    out["tokenizer"] = tokenizer
     gc = generation_config
     if not (gc is None or (isinstance(gc, str) and gc in _GENERATION_CONFIGS)
             or (isinstance(gc, (str, os.PathLike)) and Path(gc).is_dir())):

@@ -35,7 +35,7 @@ LLM_FLAGS = {
     "async_scheduling": "async_scheduling", "enable_prefix_caching": "enable_prefix_caching",
     "tensor_parallel_size": "tensor_parallel_size", "moe_parallel": "moe_parallel",
     "kv_cache_dtype": "kv_cache_dtype", "gpu_memory_utilization": "gpu_memory_utilization",
-    "prefix_caching_hash_algo": "prefix_caching_hash_algo",
+    "prefix_caching_hash_algo": "prefix_caching_hash_algo", "tokenizer": "tokenizer",
 }
 # Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
 _DEFAULTS_IF_ABSENT = {"load_format": "auto"}
@@ -242,10 +242,6 @@ def llm_kwargs(args) -> dict:
 def make_core(args):
     """Load the checkpoint and start its engine core (the slow part)."""
     llm = _llm_class()(args.model, **llm_kwargs(args))
-    if getattr(args, "tokenizer", None) is not None:
-        from chunklocal.engine.requests import load_tokenizer
-
-        llm._tokenizer = load_tokenizer(args.tokenizer)  # before the core copies it
     core = llm.core
     _ = core.tokenizer  # a bad tokenizer fails here, before the port opens
     core.max_logprobs = args.max_logprobs  # the engine refuses more, the server says 400
