@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +56,7 @@ def check_device(device) -> torch.device:
     return checked
 
 
-def load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: str | os.PathLike):
     """transformers' AutoTokenizer of a checkpoint directory that has tokenizer files."""
     from transformers import AutoTokenizer
 
