@@ -49,8 +49,9 @@ class Sequence:
         self.first_owned_page = [0] * num_groups
         #: Row of the block manager's numpy tables while the request holds pages.
         self.row: int | None = None
-        #: Prefix caching (engine/prefix_cache.py): hashes of the prompt's full blocks
-        #: (shared by the samples of one request), how many of them are registered in
+        #: Prefix caching (engine/prefix_cache.py): hashes of the full blocks, the
+        #: prompt's (shared by the samples of one request) and then its generated
+        #: tokens' (each sample's own), how many of them are registered in
         #: the cache, the extra hash key (cache_salt), and the prompt tokens found
         #: cached at the first admission (None before it).
         self.block_hashes: list[int] = []
