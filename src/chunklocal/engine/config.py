@@ -44,9 +44,9 @@ class EngineConfig:
     moe_parallel: str = "tp"
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    tokenizer: str | os.PathLike | None = None  # None: the model directory's
     gpu_memory_utilization: float = 0.9
     prefix_caching_hash_algo: str = "builtin"  # or "sha256" (engine/prefix_cache.py)
-    tokenizer: str | os.PathLike | None = None  # None: the model directory's
 
     def __post_init__(self):
         checked = check_arguments(**{f.name: getattr(self, f.name) for f in fields(self)})
