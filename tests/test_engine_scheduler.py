@@ -245,6 +245,23 @@ def test_requests_that_keep_losing_their_kv_raise_instead_of_looping():
     assert scheduler.num_preemptions > 0 and steps < 60
 
 
+def kv_groups(block_size: int, chunk: int, pages) -> list[KVGroup]:
+    """Fake KV groups (one KV head of 8, float32): ``pages`` is (global, chunked) pool sizes
+    for hybrid KV, or (merged,) for one group of every layer."""
+    geometry = (block_size, 1, 8, torch.float32)
+    chunked = ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=chunk)
+    full = FullAttentionSpec(*geometry)
+    if len(pages) == 2:
+        return [KVGroup(full, pages[0]), KVGroup(chunked, pages[1])]
+    return [KVGroup(merge([chunked, full]), pages[0])]
+
+
+def local_pages(chunk: int, budget: int, block_size: int, whole: int) -> int:
+    """Pages a chunked group holds for one request at most: its chunk and one step's
+    tokens, never more than the whole request's."""
+    return min(cdiv(chunk - 1 + budget, block_size), whole)
+
+
 def workload(lengths, max_new, max_num_seqs, budget, block_size, pages_per_chunk, hybrid,
              spare_blocks, seed, spec_k=0):
     """A scheduler holding random repetitive prompts (so that prompt lookup finds drafts,
@@ -252,15 +269,10 @@ def workload(lengths, max_new, max_num_seqs, budget, block_size, pages_per_chunk
     rng = np.random.default_rng(seed)
     chunk = block_size * pages_per_chunk
     max_model_len = max(lengths) + max_new
-    geometry = (block_size, 1, 8, torch.float32)
-    chunked = ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=chunk)
-    full = FullAttentionSpec(*geometry)
     whole = cdiv(max_model_len, block_size)
-    if hybrid:
-        local = min(cdiv(chunk - 1 + budget, block_size), whole)
-        groups = [KVGroup(full, whole + spare_blocks), KVGroup(chunked, local + spare_blocks // 2)]
-    else:
-        groups = [KVGroup(merge([chunked, full]), whole + spare_blocks)]
+    local = local_pages(chunk, budget, block_size, whole)
+    groups = kv_groups(block_size, chunk, (whole + spare_blocks, local + spare_blocks // 2)
+                       if hybrid else (whole + spare_blocks,))
     scheduler = Scheduler(BlockManager(groups, max_num_seqs, whole), max_num_seqs, budget,
                           max_model_len, spec_k)
     prompts = [rng.integers(0, 3, n).tolist() for n in lengths]

@@ -14,18 +14,16 @@ import collections
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_engine_scheduler import next_token, unrolled
+from test_engine_scheduler import kv_groups, local_pages, next_token, unrolled
 
 import chunklocal
 from chunklocal._validate import cdiv
-from chunklocal.engine.block_manager import BlockManager, KVGroup
+from chunklocal.engine.block_manager import BlockManager
 from chunklocal.engine.sampling import SamplingParams
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.sequence import Sequence
-from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 VOCAB = 5
@@ -295,15 +293,10 @@ def run_fake(prompts, block_size, chunk, hybrid, spec_k, max_num_seqs, budget, s
              local_spare, max_new):
     """Run ``prompts`` through the fake model twice (caching on); the scheduler."""
     max_model_len = max(map(len, prompts)) + max_new
-    geometry = (block_size, 1, 8, torch.float32)
-    chunked = ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=chunk)
-    full = FullAttentionSpec(*geometry)
     whole = cdiv(max_model_len, block_size)
-    if hybrid:
-        local = min(cdiv(chunk - 1 + budget, block_size), whole)
-        groups = [KVGroup(full, whole + spare), KVGroup(chunked, local + local_spare)]
-    else:
-        groups = [KVGroup(merge([chunked, full]), whole + spare)]
+    local = local_pages(chunk, budget, block_size, whole)
+    groups = kv_groups(block_size, chunk, (whole + spare, local + local_spare) if hybrid
+                       else (whole + spare,))
     manager = BlockManager(groups, max_num_seqs, whole, prefix_caching=True)
     scheduler = Scheduler(manager, max_num_seqs, budget, max_model_len, spec_k)
     params = SamplingParams(max_tokens=max_new, ignore_eos=True)

@@ -14,29 +14,23 @@ import copy
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_engine_scheduler import unrolled
+from test_engine_scheduler import kv_groups, local_pages, unrolled
 from test_prefix_cache import VOCAB, ContentRunner, boundary_lengths, check_accounting, check_idle
 
 from chunklocal._validate import cdiv
-from chunklocal.engine.block_manager import BlockManager, KVGroup
+from chunklocal.engine.block_manager import BlockManager
 from chunklocal.engine.sampling import SamplingParams
 from chunklocal.engine.scheduler import Scheduler
 from chunklocal.engine.sequence import Sequence, Status
-from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, merge
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def make_scheduler(block_size, chunk, pages, max_num_seqs, budget, spec_k=0, max_len=128):
     """``pages``: (global, chunked) pool sizes (hybrid), or (merged,)."""
-    geometry = (block_size, 1, 8, torch.float32)
-    chunked = ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=chunk)
-    full = FullAttentionSpec(*geometry)
-    groups = ([KVGroup(full, pages[0]), KVGroup(chunked, pages[1])] if len(pages) == 2
-              else [KVGroup(merge([chunked, full]), pages[0])])
+    groups = kv_groups(block_size, chunk, pages)
     manager = BlockManager(groups, max_num_seqs, cdiv(max_len, block_size), prefix_caching=True)
     return Scheduler(manager, max_num_seqs, budget, max_len, spec_k)
 
@@ -167,7 +161,7 @@ def test_decode_check_is_sound_over_random_workloads(data, block_size, pages_per
                for n in lengths]
     max_len = max(map(len, prompts)) + max_new
     whole = cdiv(max_len, block_size)
-    local = min(cdiv(chunk - 1 + budget, block_size), whole) + spare // 2
+    local = local_pages(chunk, budget, block_size, whole) + spare // 2
     pages = (whole + spare, local) if hybrid else (whole + spare,)
     scheduler = make_scheduler(block_size, chunk, pages, max_num_seqs, budget, max_len=max_len)
     calls = watch_decode_changes(scheduler.block_manager)
