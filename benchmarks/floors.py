@@ -95,8 +95,7 @@ class BalancedRouting:
         self._module, self._route, calls = moe, moe.route, [0]
 
         def balanced(x, router, top_k):
-            logits = router(x) if isinstance(router, torch.nn.Module) else \
-                torch.nn.functional.linear(x, router)
+            logits = moe.router_logits(x, router)
             num_experts = logits.shape[1]
             calls[0] += 1
             slots = torch.arange(x.shape[0] * top_k, device=x.device).view(-1, top_k)

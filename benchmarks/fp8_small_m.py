@@ -60,16 +60,16 @@ def graphed(fn, device):
 
 
 def kernel_rows(device, copy_rate, ms, smoke) -> list[dict]:
-    from chunklocal.models import moe_triton, quant
+    from chunklocal.models import moe_triton
 
     triton_ok = moe_triton.available(torch.empty(1, dtype=torch.bfloat16, device=device))
-    rows, saved = [], quant.SMALL_M_ROWS
-    quant.SMALL_M_ROWS = 0  # fp8_linear: torch's path; the kernel is called by name
+    rows, saved = [], moe_triton.FP8_ENABLED
+    moe_triton.FP8_ENABLED = False  # fp8_linear: torch's path; the kernel is called by name
     try:
         dense_rows(rows, device, copy_rate, ms, smoke, triton_ok)
         grouped_rows(rows, device, copy_rate, ms, smoke, triton_ok)
     finally:
-        quant.SMALL_M_ROWS = saved
+        moe_triton.FP8_ENABLED = saved
     return rows
 
 

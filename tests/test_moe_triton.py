@@ -60,6 +60,7 @@ def run_in_interpreter(script: str) -> None:
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(tests), *sys.path]))
+    env.pop("CHUNKLOCAL_FP8_TRITON", None)  # the scripts check the switch's default
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

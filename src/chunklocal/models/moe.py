@@ -45,10 +45,15 @@ FUSE_MAX_TOKENS = 0     # steps up to this many tokens run it as group E
 TRITON_PAIRS_PER_EXPERT = 16  # steps up to this many (token, expert) pairs per expert
 
 
+def router_logits(x: torch.Tensor, router) -> torch.Tensor:
+    """[T, E]: ``router`` is its weight [E, H], or the router module (an FP8 checkpoint's
+    Fp8Linear)."""
+    return router(x) if isinstance(router, nn.Module) else F.linear(x, router)
+
+
 def route(x: torch.Tensor, router, top_k: int):
-    """(expert ids [T, top_k] int64, scores [T, top_k] in x.dtype), as Llama4Router.
-    ``router``: its weight [E, H], or the router module (an FP8 checkpoint's Fp8Linear)."""
-    logits = router(x) if isinstance(router, nn.Module) else F.linear(x, router)
+    """(expert ids [T, top_k] int64, scores [T, top_k] in x.dtype), as Llama4Router."""
+    logits = router_logits(x, router)
     top_logit, expert = torch.topk(logits, top_k, dim=1)
     return expert, torch.sigmoid(top_logit.float()).to(x.dtype)
 

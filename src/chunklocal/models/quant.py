@@ -26,7 +26,8 @@ AMAX_FLOOR = 1e-12       # an all-zero row quantizes to zeros instead of dividin
 # Dense FP8 layers of at most this many rows (decode steps) run moe_triton's small-M kernel,
 # with the activation quantization fused in, where Triton runs (CUDA); larger ones, and
 # row-parallel slices (their amax is reduced across ranks) or layers with a bias, go
-# through torch._scaled_mm.  Chosen from benchmarks/fp8_small_m.py (BENCHMARKS.md).
+# through torch._scaled_mm.  Provisional, and only read with moe_triton.FP8_ENABLED: set it
+# from benchmarks/fp8_small_m.py's crossover once that has run on a GPU.
 SMALL_M_ROWS = 64
 
 
