@@ -79,13 +79,22 @@ def make_llm(path, device, max_num_seqs, max_model_len, num_kv_blocks):
                           num_kv_blocks=num_kv_blocks, cuda_graphs=device.type == "cuda")
 
 
+def admit(llm, seq_id: int, prompt: list[int], params):
+    """A request of ``prompt`` straight into the engine's scheduler (no client, no core)."""
+    from chunklocal.engine.sampler import sampling_row
+    from chunklocal.engine.sequence import Sequence
+
+    seq = Sequence(seq_id, prompt, params, len(llm.groups))
+    seq.sampling_row = sampling_row(params)
+    llm.scheduler.add(seq)
+    return seq
+
+
 def fill(llm, batch: int, context: int, new: int) -> int:
     """Admit ``batch`` requests of ``context`` tokens and give them their pages as a
     prefill would (nothing is computed: the scheduler and block manager run, the model
     does not); how many fit at once.  Requests that wait for pages are dropped."""
-    from chunklocal.engine.sampler import sampling_row
     from chunklocal.engine.sampling import SamplingParams
-    from chunklocal.engine.sequence import Sequence
 
     sched = llm.scheduler
     sched.abort_all()
@@ -93,10 +102,7 @@ def fill(llm, batch: int, context: int, new: int) -> int:
     params = SamplingParams(max_tokens=new + 64, ignore_eos=True, temperature=0.0)
     rng = np.random.default_rng(batch * 7919 + context)
     for i in range(batch):
-        seq = Sequence(i, rng.integers(0, llm.config.vocab_size, context).tolist(), params,
-                       len(llm.groups))
-        seq.sampling_row = sampling_row(params)
-        sched.add(seq)
+        admit(llm, i, rng.integers(0, llm.config.vocab_size, context).tolist(), params)
     while sched.waiting or any(len(s.token_ids) - s.num_computed > 1 for s in sched.running):
         step = sched.schedule()
         if sched.waiting and all(n == 1 for n in step.num_new):  # the pool is full
@@ -155,17 +161,13 @@ def decode_cell(llm, model, batch, context, args, rates, device) -> dict:
 
 def prefill_cell(llm, model, prompt_len, rates, device) -> dict:
     """One ``prompt_len`` prompt, prefilled for real in steps of max_num_batched_tokens."""
-    from chunklocal.engine.sampler import sampling_row
     from chunklocal.engine.sampling import SamplingParams
-    from chunklocal.engine.sequence import Sequence
 
     sched, runner = llm.scheduler, llm.runner
     sched.abort_all()
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     prompt = np.random.default_rng(1).integers(0, llm.config.vocab_size, prompt_len).tolist()
-    seq = Sequence(0, prompt, params, len(llm.groups))
-    seq.sampling_row = sampling_row(params)
-    sched.add(seq)
+    admit(llm, 0, prompt, params)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start, steps = time.perf_counter(), 0

@@ -54,9 +54,8 @@ def sync(device):
 
 def long_row(path, device, args) -> dict:
     """Prefill one ``args.prompt``-token request for real, then decode ``args.new`` tokens."""
-    from chunklocal.engine.sampler import sampling_row
+    from benchmarks.decode_floor import admit
     from chunklocal.engine.sampling import SamplingParams
-    from chunklocal.engine.sequence import Sequence
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -65,9 +64,7 @@ def long_row(path, device, args) -> dict:
     sched, runner = llm.scheduler, llm.runner
     params = SamplingParams(max_tokens=args.new, ignore_eos=True, temperature=0.0)
     prompt = np.random.default_rng(0).integers(0, llm.config.vocab_size, args.prompt).tolist()
-    seq = Sequence(0, prompt, params, len(llm.groups))
-    seq.sampling_row = sampling_row(params)
-    sched.add(seq)
+    seq = admit(llm, 0, prompt, params)
     sync(device)
     start, prefill_steps, decode_ms = time.perf_counter(), 0, []
     while sched.has_work():
