@@ -112,12 +112,7 @@ def test_random_workloads_finish_with_right_tokens(lengths, max_new, max_num_seq
     scheduler, runner, prompts = workload(lengths, max_new, max_num_seqs, budget, block_size,
                                           pages_per_chunk, hybrid, spare_blocks, seed, spec_k)
     groups, seqs = scheduler.block_manager.groups, list(scheduler.waiting)
-    for _ in range(10_000):
-        if not scheduler.has_work():
-            break
-        batch = scheduler.schedule()
-        scheduler.postprocess(batch, runner.run(batch), frozenset())
-    assert not scheduler.has_work()
+    run_to_end(scheduler, runner)
     event(f"preempted: {scheduler.num_preemptions > 0}")
     event(f"drafts accepted: {scheduler.num_accepted > 0}")
     for seq, prompt in zip(seqs, prompts, strict=True):
@@ -260,6 +255,16 @@ def local_pages(chunk: int, budget: int, block_size: int, whole: int) -> int:
     """Pages a chunked group holds for one request at most: its chunk and one step's
     tokens, never more than the whole request's."""
     return min(cdiv(chunk - 1 + budget, block_size), whole)
+
+
+def run_to_end(scheduler, runner) -> None:
+    """Step ``scheduler`` with ``runner``'s tokens until no request is left (and say so)."""
+    for _ in range(10_000):
+        if not scheduler.has_work():
+            break
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, runner.run(batch), frozenset())
+    assert not scheduler.has_work()
 
 
 def workload(lengths, max_new, max_num_seqs, budget, block_size, pages_per_chunk, hybrid,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_engine_scheduler import kv_groups, local_pages, next_token, unrolled
+from test_engine_scheduler import kv_groups, local_pages, next_token, run_to_end, unrolled
 
 import chunklocal
 from chunklocal._validate import cdiv
@@ -305,12 +305,7 @@ def run_fake(prompts, block_size, chunk, hybrid, spec_k, max_num_seqs, budget, s
         seqs = [Sequence(i, p, params, len(groups)) for i, p in enumerate(prompts)]
         for seq in seqs:
             scheduler.add(seq)
-        for _ in range(10_000):
-            if not scheduler.has_work():
-                break
-            batch = scheduler.schedule()
-            scheduler.postprocess(batch, runner.run(batch), frozenset())
-        assert not scheduler.has_work()
+        run_to_end(scheduler, runner)
         for seq, prompt in zip(seqs, prompts, strict=True):
             assert seq.output_ids == unrolled(prompt, max_new, VOCAB)
             assert seq.num_cached_tokens <= (len(prompt) - 1) // block_size * block_size
