@@ -252,3 +252,53 @@ def test_cuda_graphs_get_a_profiled_reserve(path, fake, monkeypatch):
     assert llm.memory_budget.graphs == ACTIVATIONS
     assert llm.memory_budget.reserved == 2 * ACTIVATIONS + CONTEXT
     assert len(llm.generate([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)[0]) == 4
+
+
+class _Garbage:
+    """An engine dropped earlier that sits in a reference cycle, holding ``size`` bytes of
+    ``memory`` until Python's cycle collector runs."""
+
+    def __init__(self, memory, size):
+        self.memory, self.size, self.me = memory, size, self
+        memory.held += size
+
+    def __del__(self):
+        self.memory.held -= self.size
+
+
+class _Counter:
+    """allocated / peak of a real allocator: ``held`` now, and the most held since reset."""
+
+    def __init__(self):
+        self.held = self.top = 0
+
+    def allocated(self):
+        return self.held
+
+    def peak(self):
+        return self.top
+
+    def reset_peak(self):
+        self.top = self.held
+
+    def empty_cache(self):
+        pass
+
+
+def test_garbage_collected_during_a_profiled_step_does_not_hide_its_peak():
+    """peak_of collects cycles before its first reading: the H200 profiled 0 bytes of
+    activations when an earlier test's engine was collected in the middle of the step."""
+    import gc
+
+    from chunklocal.engine.memory import peak_of
+
+    memory = _Counter()
+    _Garbage(memory, 100 * MIB)
+
+    def step():
+        gc.collect()  # the collector runs somewhere inside the step
+        memory.held += 7 * MIB
+        memory.top = max(memory.top, memory.held)
+        memory.held -= 7 * MIB
+
+    assert peak_of(memory, step) == 7 * MIB

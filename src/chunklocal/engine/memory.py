@@ -29,6 +29,7 @@ CPU tests run the whole GPU procedure against a fake one (``LLM.device_memory``)
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -103,12 +104,12 @@ class Baseline:
 
     @classmethod
     def take(cls, memory: DeviceMemory) -> Baseline:
-        memory.empty_cache()
+        settle(memory)
         return cls(memory.total(), memory.free(), memory.allocated())
 
     def outside_torch(self, memory: DeviceMemory) -> int:
         """Bytes outside torch's allocator that grew since the baseline (never < 0)."""
-        memory.empty_cache()
+        settle(memory)
         now = memory.total() - memory.free() - memory.allocated()
         return max(0, now - (self.total - self.free - self.allocated))
 
@@ -159,9 +160,19 @@ def check_start(baseline: Baseline, utilization: float, weight_bytes: int,
             f"{weight_bytes / GIB:.1f} GiB of weights: pass a larger gpu_memory_utilization")
 
 
+def settle(memory: DeviceMemory) -> None:
+    """Collect Python's garbage, then return torch's cached blocks: every reading starts
+    from memory that is really in use.  An engine dropped earlier in the process can sit in
+    a reference cycle holding GiBs; collected in the middle of a profiled step, it lowered
+    ``allocated`` below the reading taken before the step, and the H200 profiled 0 bytes of
+    activations for a step that allocated its KV pages and buffers (vLLM collects first too)."""
+    gc.collect()
+    memory.empty_cache()
+
+
 def peak_of(memory: DeviceMemory, run: Callable[[], object]) -> int:
     """Bytes ``run()`` allocated at its peak above what was allocated before it."""
-    memory.empty_cache()
+    settle(memory)
     memory.reset_peak()
     before = memory.allocated()
     run()

@@ -45,6 +45,10 @@ def available(x: torch.Tensor) -> bool:
 #: layers of every size go through torch's ``_scaled_mm`` / ``_scaled_grouped_mm``.
 FP8_ENABLED = __import__("os").environ.get("CHUNKLOCAL_FP8_TRITON", "0") == "1"
 
+#: K of one Hopper FP8 MMA instruction (wgmma e4m3: 32): the kernel promotes its partial sums
+#: into float32 this often (``max_num_imprecise_acc``).
+FP8_MMA_K = 32
+
 
 def fp8_available(x: torch.Tensor) -> bool:
     """:func:`fp8_grouped_mm_small` runs on ``x`` and is switched on."""
@@ -94,7 +98,7 @@ if triton is not None:
                                  stride_xm, stride_we, stride_wn, stride_se, stride_om,
                                  num_rows, HAS_OFFS: tl.constexpr, HAS_UB: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr):
+                                 BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr):
         pid_n = tl.program_id(0)
         expert = tl.program_id(1)
         if HAS_OFFS:
@@ -131,7 +135,12 @@ if triton is not None:
                 xq = tl.minimum(tl.maximum(xq, -448.0), 448.0).to(tl.float8e4nv)
                 wk = tl.load(w_base + k[:, None], mask=col_ok[None, :] & (k[:, None] < K),
                              other=0.0)
-                acc = tl.dot(xq, wk, acc)
+                # Hopper's FP8 MMA keeps partial sums coarser than float32 (about 14 bits):
+                # Triton's sm90 default never promotes them, and at K = 8192 with a 64-row
+                # tile (wgmma) the H200 went up to 15% past the 2**-12 accumulation bound.
+                # Promoting into the float32 accumulator after every MMA's K step (32) keeps
+                # float32 sums; the kernel is bound by weight reads, not by these adds.
+                acc = tl.dot(xq, wk, acc, max_num_imprecise_acc=PROMOTE_K)
             acc = acc * scale[:, None] * w_scale[None, :]
             out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -169,7 +178,8 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
         0.0 if scale_ub is None else float(scale_ub), x.stride(0), w.stride(0), w.stride(1),
         w_scale.stride(0), out.stride(0), num_rows, HAS_OFFS=offs is not None,
         HAS_UB=scale_ub is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=3 if block_m > 16 else 4)
+        PROMOTE_K=min(FP8_MMA_K, block_k), num_warps=num_warps,
+        num_stages=3 if block_m > 16 else 4)
     return out
 
 
