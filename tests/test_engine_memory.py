@@ -16,11 +16,12 @@ from chunklocal.backends.factory import BACKEND_DEVICES
 from chunklocal.bounds.kv_pools import plan_kv_pools
 from chunklocal.engine import llm as llm_module
 from chunklocal.engine import runner_setup
-from chunklocal.engine.memory import MemoryBudget, check_utilization
+from chunklocal.engine.memory import PROFILE_HEADROOM, MemoryBudget, check_utilization
 from chunklocal.engine.model_runner import ModelRunner
 
 MIB = 2**20
 WEIGHTS, ACTIVATIONS, CONTEXT = 3 * MIB, 5 * MIB, 2 * MIB
+HEADROOM = int(PROFILE_HEADROOM * 64 * MIB)  # of the fakes' 64 MiB device
 
 
 class FakeMemory:
@@ -128,7 +129,7 @@ def test_pools_take_the_fraction_of_total_memory_less_weights_and_the_profiled_s
     kv = llm.kv_pools.total_bytes
     assert kv == want.total_bytes
     # The whole budget is spent (less than a global page is left), and no more.
-    left = budget.requested - WEIGHTS - ACTIVATIONS - CONTEXT - kv
+    left = budget.requested - WEIGHTS - ACTIVATIONS - CONTEXT - HEADROOM - kv
     assert 0 <= left < llm.kv_pools.groups[-1].page_bytes
     line = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
     assert len(line) == 1 and line[0].startswith(
@@ -250,7 +251,7 @@ def test_cuda_graphs_get_a_profiled_reserve(path, fake, monkeypatch):
     assert fake.events[1:8] == ["reset", "step 8x96", "peak", "reset", "capture", "peak",
                                 "capture"], fake.events
     assert llm.memory_budget.graphs == ACTIVATIONS
-    assert llm.memory_budget.reserved == 2 * ACTIVATIONS + CONTEXT
+    assert llm.memory_budget.reserved == 2 * ACTIVATIONS + CONTEXT + HEADROOM
     assert len(llm.generate([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)[0]) == 4
 
 

@@ -19,6 +19,7 @@ from chunklocal.engine.config import EngineConfig
 from chunklocal.engine.llm_args import check_model, default_sampling
 from chunklocal.engine.memory import (
     CPU_KV_FRACTION,
+    PROFILE_HEADROOM,
     Baseline,
     CudaMemory,
     DeviceMemory,
@@ -263,7 +264,8 @@ class LLM(OwnsWorkers):
         activations, graphs = profile_run(setup, self.model, self.device, memory,
                                           self.config.vocab_size)
         return MemoryBudget(self.gpu_memory_utilization, baseline.total, weights,
-                            activations, graphs, baseline.outside_torch(memory))
+                            activations, graphs, baseline.outside_torch(memory),
+                            int(PROFILE_HEADROOM * baseline.total))
 
     def shutdown(self) -> None:
         """Stop the engine core's loop and end the tensor-parallel workers (idempotent)."""

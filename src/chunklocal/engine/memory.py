@@ -40,6 +40,11 @@ from chunklocal.bounds.kv_pools import GIB, KV_MEMORY_FRACTION
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 CPU_KV_FRACTION = KV_MEMORY_FRACTION  # of MemAvailable after the weights
+#: Kept free beyond the profiled peaks, as a share of the device's total memory (141 MiB
+#: of an H200): with CUDA graphs the H200 engine's first real steps went 46 KiB past the
+#: fraction (allocator rounding, small per-step tensors the profile's one shape does not
+#: allocate at the same moment); vLLM leaves such slack to 1 - u.
+PROFILE_HEADROOM = 1 / 1024
 
 
 class DeviceMemory(Protocol):
@@ -124,6 +129,7 @@ class MemoryBudget:
     activations: int = 0  # peak of the largest step above the weights
     graphs: int = 0       # estimate of the CUDA graphs' pool
     outside_torch: int = 0
+    headroom: int = 0     # PROFILE_HEADROOM x total once profiled
 
     @property
     def requested(self) -> int:
@@ -131,8 +137,9 @@ class MemoryBudget:
 
     @property
     def reserved(self) -> int:
-        """Activations, graphs and non-torch memory: what the KV pools cannot take."""
-        return self.activations + self.graphs + self.outside_torch
+        """Activations, graphs, non-torch memory and the headroom: what the KV pools
+        cannot take."""
+        return self.activations + self.graphs + self.outside_torch + self.headroom
 
     def note(self) -> str:
         """Where the KV budget comes from, for messages."""

@@ -45,9 +45,10 @@ def available(x: torch.Tensor) -> bool:
 #: layers of every size go through torch's ``_scaled_mm`` / ``_scaled_grouped_mm``.
 FP8_ENABLED = __import__("os").environ.get("CHUNKLOCAL_FP8_TRITON", "0") == "1"
 
-#: K of one Hopper FP8 MMA instruction (wgmma e4m3: 32): the kernel promotes its partial sums
-#: into float32 this often (``max_num_imprecise_acc``).
-FP8_MMA_K = 32
+#: How many K the kernel lets Hopper's FP8 MMA sum before promoting the partial sum into its
+#: float32 accumulator (``max_num_imprecise_acc``; DeepGEMM promotes every 128 too).  Triton
+#: refuses 32 or less with a float32 accumulator.
+FP8_PROMOTE_K = 128
 
 
 def fp8_available(x: torch.Tensor) -> bool:
@@ -138,8 +139,8 @@ if triton is not None:
                 # Hopper's FP8 MMA keeps partial sums coarser than float32 (about 14 bits):
                 # Triton's sm90 default never promotes them, and at K = 8192 with a 64-row
                 # tile (wgmma) the H200 went up to 15% past the 2**-12 accumulation bound.
-                # Promoting into the float32 accumulator after every MMA's K step (32) keeps
-                # float32 sums; the kernel is bound by weight reads, not by these adds.
+                # Promoting into the float32 accumulator every FP8_PROMOTE_K keeps the error
+                # of float32 sums; the kernel is bound by weight reads, not by these adds.
                 acc = tl.dot(xq, wk, acc, max_num_imprecise_acc=PROMOTE_K)
             acc = acc * scale[:, None] * w_scale[None, :]
             out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -178,7 +179,7 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
         0.0 if scale_ub is None else float(scale_ub), x.stride(0), w.stride(0), w.stride(1),
         w_scale.stride(0), out.stride(0), num_rows, HAS_OFFS=offs is not None,
         HAS_UB=scale_ub is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PROMOTE_K=min(FP8_MMA_K, block_k), num_warps=num_warps,
+        PROMOTE_K=min(FP8_PROMOTE_K, block_k), num_warps=num_warps,
         num_stages=3 if block_m > 16 else 4)
     return out
 
