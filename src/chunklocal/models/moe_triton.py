@@ -45,10 +45,12 @@ def available(x: torch.Tensor) -> bool:
 #: layers of every size go through torch's ``_scaled_mm`` / ``_scaled_grouped_mm``.
 FP8_ENABLED = __import__("os").environ.get("CHUNKLOCAL_FP8_TRITON", "0") == "1"
 
-#: How many K the kernel lets Hopper's FP8 MMA sum before promoting the partial sum into its
-#: float32 accumulator (``max_num_imprecise_acc``; DeepGEMM promotes every 128 too).  Triton
-#: refuses 32 or less with a float32 accumulator.
-FP8_PROMOTE_K = 128
+#: Rows per pass over a weight slab.  16 keeps Triton on Hopper's mma.sync path, whose FP8
+#: partial sums are float32; a 64-row tile takes the wgmma path, whose FP8 partial sums are
+#: coarser and never promoted (Triton's sm90 default): on the H200 that went 4-15% past the
+#: 2**-12 accumulation bound at K = 8192 (tests/gpu/test_fp8_triton_gpu.py), and asking for
+#: promotion (``max_num_imprecise_acc``) failed to compile on Triton 3.x (32 and 128 alike).
+FP8_BLOCK_M = 16
 
 
 def fp8_available(x: torch.Tensor) -> bool:
@@ -99,7 +101,7 @@ if triton is not None:
                                  stride_xm, stride_we, stride_wn, stride_se, stride_om,
                                  num_rows, HAS_OFFS: tl.constexpr, HAS_UB: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr):
+                                 BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         expert = tl.program_id(1)
         if HAS_OFFS:
@@ -136,12 +138,7 @@ if triton is not None:
                 xq = tl.minimum(tl.maximum(xq, -448.0), 448.0).to(tl.float8e4nv)
                 wk = tl.load(w_base + k[:, None], mask=col_ok[None, :] & (k[:, None] < K),
                              other=0.0)
-                # Hopper's FP8 MMA keeps partial sums coarser than float32 (about 14 bits):
-                # Triton's sm90 default never promotes them, and at K = 8192 with a 64-row
-                # tile (wgmma) the H200 went up to 15% past the 2**-12 accumulation bound.
-                # Promoting into the float32 accumulator every FP8_PROMOTE_K keeps the error
-                # of float32 sums; the kernel is bound by weight reads, not by these adds.
-                acc = tl.dot(xq, wk, acc, max_num_imprecise_acc=PROMOTE_K)
+                acc = tl.dot(xq, wk, acc)
             acc = acc * scale[:, None] * w_scale[None, :]
             out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -157,9 +154,8 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     group ends (``None``: one group of all M rows, ``E == 1``).  Rows past ``offs[-1]`` are
     left unwritten.
 
-    Tiles: ``block_m`` rows per pass over an N-slab (16, or up to 64 for a dense layer of
-    more rows, so a slab is streamed fewer times); ``block_n`` 32 for N <= 8192 so that
-    Scout's down projections (N = 5120) still give 160 programs for 132 SMs, else 64."""
+    Tiles: ``block_m`` rows per pass over an N-slab (``FP8_BLOCK_M``); ``block_n`` 32 for
+    N <= 8192 so that Scout's down projections (N = 5120) still give 160 programs for 132 SMs, else 64."""
     if triton is None:
         raise RuntimeError("fp8_grouped_mm_small needs Triton")
     num_rows, k_dim = x.shape
@@ -169,7 +165,7 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     if offs is None and num_experts != 1:
         raise ValueError(f"offs=None means one group, got {num_experts} experts")
     if block_m is None:
-        block_m = 16 if offs is not None else min(64, max(16, triton.next_power_of_2(num_rows)))
+        block_m = FP8_BLOCK_M
     if block_n is None:
         block_n = 32 if n_dim <= 8192 else 64
     out = torch.empty(num_rows, n_dim, dtype=x.dtype, device=x.device)
@@ -179,8 +175,7 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
         0.0 if scale_ub is None else float(scale_ub), x.stride(0), w.stride(0), w.stride(1),
         w_scale.stride(0), out.stride(0), num_rows, HAS_OFFS=offs is not None,
         HAS_UB=scale_ub is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PROMOTE_K=min(FP8_PROMOTE_K, block_k), num_warps=num_warps,
-        num_stages=3 if block_m > 16 else 4)
+        num_warps=num_warps, num_stages=3 if block_m > 16 else 4)
     return out
 
 
