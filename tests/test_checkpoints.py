@@ -124,7 +124,7 @@ def test_compressed_tensors_fp8_dynamic(scout, tmp_path):
     fp8 = llm.model.layers[0].feed_forward
     assert fp8.experts.w13.dtype == torch.float8_e4m3fn
     assert fp8.shared_expert.down_proj.weight.dtype == torch.float8_e4m3fn
-    assert llm.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    assert llm.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # fused at load
     check_tokens(llm, oracle, PROMPTS, None)
 
 
@@ -138,8 +138,8 @@ def test_fbgemm_fp8_maverick(tmp_path):
     assert tensors["model.layers.1.feed_forward.experts.down_proj_scale"].shape == (8, 64, 1)
     llm = engine(path)
     assert llm.model.layers[1].feed_forward.experts.w2.dtype == torch.float8_e4m3fn
-    assert llm.model.layers[0].feed_forward.gate_proj.weight.dtype == torch.float8_e4m3fn
-    assert llm.model.layers[0].feed_forward.gate_proj.act_scale_ub == 1200.0
+    assert llm.model.layers[0].feed_forward.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    assert llm.model.layers[0].feed_forward.gate_up_proj.act_scale_ub == 1200.0
     assert llm.model.layers[1].feed_forward.experts.act_scale_ub == 1200.0
     check_tokens(llm, fp8_oracle(hf, tensors, scale_ub=1200.0), PROMPTS, None)
 
@@ -398,8 +398,8 @@ def test_dummy_weights_read_only_config_json(tmp_path, fp8):
     model = runs[0].model
     dtype = torch.float8_e4m3fn if fp8 else torch.float32
     assert model.layers[0].feed_forward.experts.w13.dtype == dtype
-    assert model.layers[0].feed_forward.shared_expert.up_proj.weight.dtype == dtype
-    assert model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    assert model.layers[0].feed_forward.shared_expert.gate_up_proj.weight.dtype == dtype
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
     assert model.layers[0].feed_forward.experts.w13.shape == (4, 128, 64)
     assert runs[0].eos_ids == {501, 502, 503}  # config.json's only
 

@@ -19,7 +19,6 @@ from chunklocal.engine.config import EngineConfig
 from chunklocal.engine.llm_args import check_model, default_sampling
 from chunklocal.engine.memory import (
     CPU_KV_FRACTION,
-    PROFILE_HEADROOM,
     Baseline,
     CudaMemory,
     DeviceMemory,
@@ -263,9 +262,8 @@ class LLM(OwnsWorkers):
         weights = memory.allocated() - baseline.allocated
         activations, graphs = profile_run(setup, self.model, self.device, memory,
                                           self.config.vocab_size)
-        return MemoryBudget(self.gpu_memory_utilization, baseline.total, weights,
-                            activations, graphs, baseline.outside_torch(memory),
-                            int(PROFILE_HEADROOM * baseline.total))
+        return MemoryBudget.profiled(self.gpu_memory_utilization, baseline, memory, weights,
+                                     activations, graphs)
 
     def shutdown(self) -> None:
         """Stop the engine core's loop and end the tensor-parallel workers (idempotent)."""

@@ -131,6 +131,14 @@ class MemoryBudget:
     outside_torch: int = 0
     headroom: int = 0     # PROFILE_HEADROOM x total once profiled
 
+    @classmethod
+    def profiled(cls, utilization: float, baseline: Baseline, memory: DeviceMemory,
+                 weights: int, activations: int, graphs: int) -> MemoryBudget:
+        """Once the weights loaded and the largest step ran: with what grew outside torch
+        since the baseline, and PROFILE_HEADROOM of the device kept free."""
+        return cls(utilization, baseline.total, weights, activations, graphs,
+                   baseline.outside_torch(memory), int(PROFILE_HEADROOM * baseline.total))
+
     @property
     def requested(self) -> int:
         return int(self.utilization * self.total)

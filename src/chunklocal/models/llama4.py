@@ -20,6 +20,7 @@ from torch import nn
 from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.kv_quant import is_fp8, write_fp8
 from chunklocal.kv_spec import softmax_scale
+from chunklocal.models.fused import GatedMLPBase, fuse_into
 from chunklocal.models.llama4_config import (  # noqa: F401  (load_text_config: re-exported)
     activation,
     layer_kind,
@@ -60,7 +61,7 @@ class RMSNorm(nn.Module):
         return _rms(x, self.eps) * self.weight
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(GatedMLPBase):
     """Dense MLP; tensor parallel: this rank's slice of the inner size, one all-reduce."""
 
     def __init__(self, hidden: int, inner: int, act: nn.Module, fp8: Fp8Plan = NO_FP8,
@@ -75,7 +76,7 @@ class GatedMLP(nn.Module):
                                       make=_maker(fp8, f"{prefix}.down_proj"))
 
     def forward(self, x):
-        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(self.gated(x))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
@@ -107,17 +108,28 @@ class Attention(nn.Module):
                                       make=_maker(fp8, f"{prefix}.v_proj"))
         self.o_proj = row_parallel(heads * hd, hidden, bias, tp,
                                    make=_maker(fp8, f"{prefix}.o_proj"))
+        self.qkv_proj: nn.Module | None = None  # set by fuse(): q, k, v in one GEMM
+        self.qkv_sizes: list[int] = []
         # Paged caches [num_blocks, block_size, Hkv, D], bound by the model runner.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         # Dequantization scales of FP8 pages (kv_cache_dtype="fp8"; chunklocal/kv_quant.py).
         self.k_scale, self.v_scale = 1.0, 1.0
 
+    def fuse(self) -> bool:
+        """q_proj, k_proj and v_proj as one ``qkv_proj`` (models/fused.py)."""
+        self.qkv_sizes = fuse_into(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        return True
+
     def forward(self, x, positions, freqs_cis, step: AttentionStep):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.use_rope:
             q, k = _rotate(q, freqs_cis), _rotate(k, freqs_cis)
         if self.qk_norm_eps is not None:

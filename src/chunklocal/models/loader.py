@@ -37,6 +37,7 @@ from chunklocal.models.checkpoint import (
     open_safetensors,
     read_headers,
 )
+from chunklocal.models.fused import fuse_projections
 from chunklocal.models.kv_scales import apply_kv_scales, split_kv_scales
 from chunklocal.models.llama4 import Llama4ForCausalLM
 from chunklocal.models.llama4_config import CheckpointConfig, read_config
@@ -262,6 +263,7 @@ def load_model(plan: LoadPlan, device="cpu", dtype=torch.float32, seed: int = 0)
     model.eval()
     model.init_rope(device)
     configure_moe(model)
+    fuse_projections(model)
     return model
 
 

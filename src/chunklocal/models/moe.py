@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chunklocal.models.fused import GatedMLPBase
 from chunklocal.models.parallel import SINGLE, ShardRule, TPGroup, column_parallel, row_parallel
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -203,7 +204,7 @@ class Experts(nn.Module):
         self.register_buffer("w2_scale", None)
 
 
-class SharedExpert(nn.Module):
+class SharedExpert(GatedMLPBase):
     """transformers' ``Llama4TextMLP`` (names as in the checkpoint); tensor parallel: this
     rank's slice of the inner size, its output a partial sum (the MoE layer reduces)."""
 
@@ -215,7 +216,7 @@ class SharedExpert(nn.Module):
         self.down_proj = row_parallel(inner, hidden, False, tp)
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.gated(x))
 
 
 class MoE(nn.Module):

@@ -155,7 +155,8 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     left unwritten.
 
     Tiles: ``block_m`` rows per pass over an N-slab (``FP8_BLOCK_M``); ``block_n`` 32 for
-    N <= 8192 so that Scout's down projections (N = 5120) still give 160 programs for 132 SMs, else 64."""
+    N <= 8192 so that Scout's down projections (N = 5120) still give 160 programs for 132
+    SMs, else 64."""
     if triton is None:
         raise RuntimeError("fp8_grouped_mm_small needs Triton")
     num_rows, k_dim = x.shape
