@@ -11,16 +11,21 @@ Two parts, one run (GPU):
   ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``.  Each is captured in a CUDA graph of
   ``REPLAYS`` calls, so launch gaps are not counted for either.  Floor: the weight bytes
   touched (plus activations and outputs) at the copy rate measured in the same run.
+  A third column, "quant", is torch's path with its activation quantization in
+  ``quant_triton``'s one kernel instead of torch's chain of small ones.
 * **Engine**: full-size Scout FP8 (dummy weights, ``benchmarks.decode_floor``'s model)
-  decode steps at the given batches, 1k contexts, with the kernel off and on
-  (``moe_triton.FP8_ENABLED``), one engine after the other, on spread routing
+  decode steps at the given batches, 1k contexts, one engine per variant of
+  ``--engine-paths`` (``ENGINE_PATHS``: projections unfused, torch's path, with the
+  quantization kernel, with the GEMM kernel), one after the other, on spread routing
   (``floors.BalancedRouting``; the experts touched per layer are in each row).
 
     python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
+        [--engine-paths unfused torch quant triton]
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import tempfile
@@ -83,6 +88,7 @@ def dense_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             paths = {"torch": lambda x=x, w=w, s=s: quant.fp8_linear(x, w[0], s[0])}
             if triton_ok:
+                paths["quant"] = with_quant_kernel(paths["torch"])
                 paths["triton"] = lambda x=x, w=w, s=s: moe_triton.fp8_linear_small(x, w[0], s[0])
             rows.append(cell(f"dense {name}", m, n * k + m * k * 2 + m * n * 2, paths,
                              device, copy_rate))
@@ -100,11 +106,20 @@ def grouped_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             paths = {"torch": lambda x=x, w=w, s=s, o=offs: quant.fp8_grouped_mm(x, w, s, o)}
             if triton_ok:
+                paths["quant"] = with_quant_kernel(paths["torch"])
                 paths["triton"] = lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
                     x, w, s, o)
             touched = int((counts > 0).sum())
             rows.append(cell(f"experts {name}", m, touched * n * k + m * (k + n) * 2, paths,
                              device, copy_rate) | {"experts_touched": touched})
+
+
+def with_quant_kernel(fn):
+    """``fn`` (torch's FP8 path) with its activation quantization in quant_triton's kernel."""
+    def run():
+        with switches(True, False, True):
+            return fn()
+    return run
 
 
 def cell(name, m, nbytes, paths, device, copy_rate) -> dict:
@@ -119,26 +134,45 @@ def cell(name, m, nbytes, paths, device, copy_rate) -> dict:
             us = float("nan")
         row[f"{label}_us"] = us
         row[f"{label}_share"] = row["floor_us"] / us
-    if "triton_us" in row:
-        row["torch_over_triton"] = row["torch_us"] / row["triton_us"]
+    for label in ("triton", "quant"):
+        if f"{label}_us" in row:
+            row[f"torch_over_{label}"] = row["torch_us"] / row[f"{label}_us"]
     print(format_table([row]), flush=True)
     return row
 
 
-def engine_rows(rows, batches, steps, device, rates, save, errors) -> None:
-    """decode_floor's cells on full-size Scout FP8, kernel off, then on."""
+#: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel).
+ENGINE_PATHS = {"unfused": (False, False, False), "torch": (True, False, False),
+                "quant": (True, False, True), "triton": (True, True, False)}
+
+
+@contextlib.contextmanager
+def switches(fuse: bool, gemm: bool, quant_kernel: bool):
+    """The module switches of one variant, restored afterwards (read when an engine loads
+    and when a GEMM or quantization runs, so a CUDA graph captures what they say)."""
+    from chunklocal.models import fused, moe_triton, quant_triton
+
+    saved = fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED
+    fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED = \
+        fuse, gemm, quant_kernel
+    try:
+        yield
+    finally:
+        fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED = saved
+
+
+def engine_rows(rows, batches, steps, device, rates, save, errors, paths) -> None:
+    """decode_floor's cells on full-size Scout FP8, one engine per variant of ``paths``
+    (ENGINE_PATHS), one after the other."""
     from argparse import Namespace
 
     from benchmarks import decode_floor, floors
-    from chunklocal.models import moe_triton
 
     args = Namespace(steps=steps, profile=True, profile_batches=batches)  # class tables
     with tempfile.TemporaryDirectory() as tmp, floors.BalancedRouting():
         path = decode_floor.write_config(Path(tmp) / "scout-fp8", "scout-fp8")
-        default = moe_triton.FP8_ENABLED
-        for label, enabled in (("torch", False), ("triton", True)):
-            moe_triton.FP8_ENABLED = enabled
-            try:
+        for label in paths:
+            with switches(*ENGINE_PATHS[label]):
                 llm = decode_floor.make_llm_with_kv(path, device, max(batches),
                                                     1024 + 3 * steps + 96)
                 for batch in batches:
@@ -152,8 +186,6 @@ def engine_rows(rows, batches, steps, device, rates, save, errors) -> None:
                         save()
                 llm.shutdown()
                 del llm
-            finally:
-                moe_triton.FP8_ENABLED = default
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -163,6 +195,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--engine-batches", type=int, nargs="*", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--engine-paths", nargs="+", choices=sorted(ENGINE_PATHS),
+                        default=["unfused", "torch", "quant"],
+                        help="engine variants, in order: unfused projections, torch's FP8 "
+                             "path, with the quantization kernel, with the GEMM kernel")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
@@ -184,7 +220,7 @@ def main(argv=None) -> int:
         rates = {"copy_bytes_per_s": copy_rate,
                  "matmul_flops_per_s": measure_matmul_flops(device)}
         engine_rows(payload["engine"], args.engine_batches, args.steps, device, rates, save,
-                    payload["errors"])
+                    payload["errors"], args.engine_paths)
     save()
     return 0 if not payload["errors"] else 1
 

@@ -183,6 +183,20 @@ def test_fp8_small_m_smoke(tmp_path):
     assert all(r["bytes"] > 0 and r["floor_us"] > 0 for r in rows)
 
 
+def test_fp8_small_m_engine_variants_set_and_restore_their_switches():
+    from benchmarks import fp8_small_m
+    from chunklocal.models import fused, moe_triton, quant_triton
+
+    def now():
+        return fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED
+
+    before = now()
+    for want in fp8_small_m.ENGINE_PATHS.values():
+        with fp8_small_m.switches(*want):
+            assert now() == want
+        assert now() == before
+
+
 def test_kernel_classes_of_the_names_seen_on_the_h200():
     """floors.kernel_class on kernel names from the H200 profiles of 2026-12-02 (the
     profiler's full names; the JSON keeps their first 80 characters)."""

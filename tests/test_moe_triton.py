@@ -60,7 +60,8 @@ def run_in_interpreter(script: str) -> None:
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(tests), *sys.path]))
-    env.pop("CHUNKLOCAL_FP8_TRITON", None)  # the scripts check the switch's default
+    for switch in ("CHUNKLOCAL_FP8_TRITON", "CHUNKLOCAL_FP8_QUANT_TRITON"):
+        env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
@@ -137,3 +138,48 @@ def test_fp8_triton_kernel_in_interpreter():
     """The FP8 kernel with its fused quantization: groups with empty experts, an all-zero
     row, fbgemm's amax cap, the one-group (dense) form, and both dispatch points."""
     run_in_interpreter(FP8_SCRIPT)
+
+
+QUANT_SCRIPT = textwrap.dedent("""
+    import torch
+    from chunklocal.models import quant_triton
+    from chunklocal.models.quant import FP8, fp8_linear, quantize_per_token
+
+    assert not quant_triton.QUANT_ENABLED  # off by default
+    gen = torch.Generator().manual_seed(1)
+    m, k = 9, 100  # K not a power of two: the last load of a row is masked
+    # Rows whose quantization is exact (see FP8_SCRIPT), of different binades; an all-zero
+    # row (the amax floor); a row whose amax the cap of 112 = 448 / 4 cuts (it saturates).
+    x = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(FP8).float()
+    x[:, 3] = -448.0
+    x = x * 2.0 ** torch.randint(-6, 6, (m, 1), generator=gen).float()
+    x[2] = 0.0
+    x[5] = x[5].abs().clamp(min=1.0) * 4.0
+    quant_triton.MAX_BLOCK_K = 32  # four loads per row
+    for ub in (None, 112.0):
+        want_q, want_s = quantize_per_token(x, ub)  # the switch off: torch's path
+        got_q, got_s = quant_triton.quantize_rows(x, ub)
+        assert got_q.dtype == FP8 and got_s.shape == (m, 1)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), ub
+        assert torch.equal(got_s, want_s), ub
+    # the switch on: quantize_per_token takes the kernel, except with a cross-rank amax
+    calls, real = [], quant_triton.quantize_rows
+    quant_triton.quantize_rows = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    quant_triton.QUANT_ENABLED = True
+    w = (torch.randn(16, k, generator=gen) * 0.5).to(FP8)
+    w_scale = torch.rand(16, generator=gen) + 0.5
+    on = fp8_linear(x, w, w_scale)
+    assert calls == [1]
+    quantize_per_token(x, None, amax_reduce=lambda a: a)
+    assert calls == [1]
+    quant_triton.QUANT_ENABLED = False
+    assert torch.equal(on, fp8_linear(x, w, w_scale))
+    print("ok")
+""")
+
+
+def test_fp8_quantization_kernel_in_interpreter():
+    """quant_triton's one-kernel quantization gives torch's bytes and scales (exactly
+    quantizable rows, several loads per row, the amax floor and cap), and
+    quantize_per_token dispatches to it only when switched on and without amax_reduce."""
+    run_in_interpreter(QUANT_SCRIPT)

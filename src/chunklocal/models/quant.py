@@ -38,7 +38,14 @@ def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None, amax_redu
     saturate at +-448 instead of coarsening the whole row.  ``amax_reduce``: the max of
     the row amaxes over the tensor-parallel ranks, when x holds one rank's columns of
     each row (a row-parallel layer): every rank then scales a token as one rank would.
+    On CUDA, with ``CHUNKLOCAL_FP8_QUANT_TRITON=1`` and no ``amax_reduce``, one Triton
+    kernel computes the same bits (models/quant_triton.py).
     """
+    if amax_reduce is None:
+        import chunklocal.models.quant_triton as quant_triton
+
+        if quant_triton.quant_available(x):
+            return quant_triton.quantize_rows(x, scale_ub)
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     if amax_reduce is not None:

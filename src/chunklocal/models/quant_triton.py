@@ -1,0 +1,83 @@
+"""Per-token FP8 activation quantization in one Triton kernel.
+
+:func:`chunklocal.models.quant.quantize_per_token` in torch is a chain of small kernels (cast
+to float32, abs, amax, clamps, the scale's division, the rows' division, clamp, cast to e4m3):
+about eight launches before every FP8 GEMM, each costing a few microseconds at decode sizes
+whatever its size (a Scout decode step quantizes 4 times per layer, 192 times in all).
+:func:`quantize_rows` does the same in one launch: one program per row reads the row once for
+its amax and once more (from L2) to scale, round and store it.
+
+Bit for bit the torch path's result: the amax is exact; ``scale = max(amax, 1e-12) / 448``
+and ``x / scale`` use IEEE division (``div_rn``, torch's ``/`` on tensors), the clamp is
+exact, and the cast rounds to nearest even on both (``cvt.rn.satfinite`` on sm90; the values
+are in range already).  tests/gpu/test_fp8_quant_gpu.py compares the bytes on the H200.
+
+Off by default until measured there (``CHUNKLOCAL_FP8_QUANT_TRITON=1`` turns it on;
+docs/gpu-runbook.md): ``quantize_per_token`` takes it for CUDA rows of bf16/fp16 without a
+cross-rank amax.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from chunklocal.models.moe_triton import available, triton
+
+#: The switch, read at import (``CHUNKLOCAL_FP8_QUANT_TRITON=1``); off until measured.
+QUANT_ENABLED = os.environ.get("CHUNKLOCAL_FP8_QUANT_TRITON", "0") == "1"
+MAX_BLOCK_K = 2048  # elements of a row per load (a Scout row of 5120: three loads)
+
+
+def quant_available(x: torch.Tensor) -> bool:
+    """:func:`quantize_rows` runs on ``x`` and is switched on."""
+    return QUANT_ENABLED and available(x) and x.dim() == 2 and x.stride(-1) == 1
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["scale_ub"])
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, scale_ub, stride_xm, stride_qm,
+                              HAS_UB: tl.constexpr, BLOCK_K: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + row * stride_xm
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            xk = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(xk))
+        top = tl.max(amax, axis=0)
+        if HAS_UB:
+            top = tl.minimum(top, scale_ub)
+        # Every lane holds the row's scale (vectors only: the division is elementwise).
+        zero = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        scale = tl.math.div_rn(tl.maximum(zero + top, 1e-12), zero + 448.0)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            xk = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            xq = tl.minimum(tl.maximum(tl.math.div_rn(xk, scale), -448.0), 448.0)
+            tl.store(q_ptr + row * stride_qm + k, xq.to(tl.float8e4nv), mask=k < K)
+        tl.store(s_ptr + row + ks, scale, mask=ks == 0)
+
+
+def quantize_rows(x: torch.Tensor, scale_ub: float | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant.quantize_per_token(x, scale_ub)`` in one kernel: ``x [M, K]`` (last dim
+    contiguous) -> (``[M, K]`` float8_e4m3fn, ``[M, 1]`` float32 scales)."""
+    if triton is None:
+        raise RuntimeError("quantize_rows needs Triton")
+    num_rows, k_dim = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("quantize_rows needs rows contiguous along K")
+    q = torch.empty(num_rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+    if num_rows:
+        block_k = min(triton.next_power_of_2(k_dim), MAX_BLOCK_K)
+        _quantize_rows_kernel[(num_rows,)](
+            x, q, scale, k_dim, 0.0 if scale_ub is None else float(scale_ub), x.stride(0),
+            q.stride(0), HAS_UB=scale_ub is not None, BLOCK_K=block_k,
+            num_warps=4 if block_k <= 1024 else 8)
+    return q, scale

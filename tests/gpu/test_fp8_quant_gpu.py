@@ -1,0 +1,65 @@
+"""quant_triton's one-kernel per-token FP8 quantization, compiled on the GPU: the same bytes
+and scales as torch's chain of kernels (``quant.quantize_per_token`` with the switch off) on
+random bf16 rows of very different magnitudes, eagerly and replayed in a CUDA graph with new
+rows, and the same FP8 GEMM output through ``quant.fp8_linear`` (the CPU interpreter test,
+tests/test_moe_triton.py, can only use rows whose quantization is exact).  The engine's
+tokens with it on: ``CHUNKLOCAL_FP8_QUANT_TRITON=1 pytest tests/gpu/test_fp8_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from chunklocal.models import quant_triton  # noqa: E402
+from chunklocal.models.quant import FP8, fp8_linear, quantize_per_token  # noqa: E402
+
+
+def rows(m, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m).view(-1, 1)
+    x[0] = 0.0  # the amax floor
+    return x.bfloat16().cuda()
+
+
+def same_bits(got, want):
+    (gq, gs), (wq, ws) = got, want
+    assert gq.dtype == FP8 and gs.shape == ws.shape
+    assert torch.equal(gq.view(torch.uint8), wq.view(torch.uint8))
+    assert torch.equal(gs, ws)
+
+
+@pytest.mark.parametrize("k", [100, 5120, 8192, 16384])
+@pytest.mark.parametrize("ub", [None, 1200.0, 2.0])
+def test_the_kernel_gives_torchs_bytes(k, ub, monkeypatch):
+    monkeypatch.setattr(quant_triton, "QUANT_ENABLED", False)
+    for m in (1, 7, 64):
+        x = rows(m, k, seed=k + m)
+        same_bits(quant_triton.quantize_rows(x, ub), quantize_per_token(x, ub))
+
+
+def test_replays_in_a_cuda_graph_with_new_rows(monkeypatch):
+    monkeypatch.setattr(quant_triton, "QUANT_ENABLED", False)
+    x = rows(16, 5120, seed=1)
+    quant_triton.quantize_rows(x)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quant_triton.quantize_rows(x)
+    for seed in (2, 3):
+        x.copy_(rows(16, 5120, seed=seed))
+        graph.replay()
+        same_bits(out, quantize_per_token(x))
+
+
+def test_fp8_linear_gives_the_same_output_through_the_kernel(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(384, 5120, generator=gen) * 8).to(FP8).cuda()
+    w_scale = (torch.rand(384, generator=gen) * 1e-3 + 1e-4).cuda()
+    x = rows(5, 5120, seed=5)
+    monkeypatch.setattr(quant_triton, "QUANT_ENABLED", False)
+    want = fp8_linear(x, w, w_scale)
+    monkeypatch.setattr(quant_triton, "QUANT_ENABLED", True)
+    assert torch.equal(fp8_linear(x, w, w_scale), want)
