@@ -106,8 +106,10 @@ FP8_SCRIPT = textwrap.dedent("""
         assert err < 2.0 ** -12, (ub, err)
 
     for ub in (None, 112.0):  # caps rows of larger amax (they saturate); 112 / 448 = 2**-2
-        got = moe_triton.fp8_grouped_mm_small(x, w, w_scale, ends, ub, block_n=16, block_k=32)
-        check(got, slice(None), rows_of, ub)
+        for split_k in (None, 1, 3):  # K = 96: slices of 32 (3), 64 + 32 (None: 2), all
+            got = moe_triton.fp8_grouped_mm_small(x, w, w_scale, ends, ub, block_n=16,
+                                                  block_k=32, split_k=split_k)
+            check(got, slice(None), rows_of, ub)
         # the MoE layer's entry point takes the kernel for few rows per expert
         calls, real = [], moe_triton.fp8_grouped_mm_small
         moe_triton.fp8_grouped_mm_small = lambda *a, **kw: calls.append(1) or real(*a, **kw)

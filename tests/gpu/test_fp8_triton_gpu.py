@@ -1,5 +1,5 @@
-"""moe_triton's FP8 small-M kernel compiled on the GPU: against the CPU's fake-quantized
-float32 reference (the error model of test_fp8_gpu.py), on random rows (the interpreter test
+"""moe_triton's FP8 small-M kernel (rows quantized once, a split-K grouped GEMM) compiled on
+the GPU: against the CPU's fake-quantized float32 reference (the error model of test_fp8_gpu.py), on random rows (the interpreter test
 on the CPU, tests/test_moe_triton.py, can only use rows whose quantization is exact), eagerly
 and replayed in a CUDA graph with new routing, and through the two dispatch points
 (``quant.fp8_linear`` and ``moe.expert_mm``)."""
@@ -43,13 +43,15 @@ def test_dense_kernel_equals_cpu_reference(m, ub, n, k):
                                    [0, 0, 130, 1], [4] * 16],
                          ids=["one-row", "aligned", "ragged", "empty-groups", "spread"])
 @pytest.mark.parametrize("ub", [None, 2.0])
-def test_grouped_kernel_equals_cpu_reference(sizes, ub):
+@pytest.mark.parametrize("split_k", [None, 1, 3], ids=["split-auto", "split-1", "split-3"])
+def test_grouped_kernel_equals_cpu_reference(sizes, ub, split_k):
     e, n, k = len(sizes), 256, 512
     w, scale = fp8_weights(e, n, k, seed=e)
     m = sum(sizes)
     x = bf16_rows(m, k, seed=2)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    got = moe_triton.fp8_grouped_mm_small(x.cuda(), w.cuda(), scale.cuda(), offs.cuda(), ub)
+    got = moe_triton.fp8_grouped_mm_small(x.cuda(), w.cuda(), scale.cuda(), offs.cuda(), ub,
+                                          split_k=split_k)
     want = fp8_grouped_mm(x.float(), w, scale, offs, act_scale_ub=ub)
     rows_of = torch.repeat_interleave(torch.arange(e), torch.tensor(sizes))
     assert error_ratio(got, x, w, scale, want, rows_of, ub=ub) <= 1.0

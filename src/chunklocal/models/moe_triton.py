@@ -10,35 +10,26 @@ routed weight is read exactly once; with many rows per expert torch's grouped ke
 (``torch._grouped_mm``) is the better choice, so the MoE layer uses this one only up
 to ``MoE.triton_max_pairs`` (token, expert) pairs (0, i.e. off, until measured).
 
-``fp8_grouped_mm_small(x, w, w_scale, offs, scale_ub)`` is the same kernel for FP8
-weights (``w [E, N, K]`` float8_e4m3fn, per-output-channel ``w_scale [E, N]``) with the
-per-token activation quantization of :func:`chunklocal.models.quant.quantize_per_token`
-fused in: each program finds its rows' amax over K (the rows are a few KiB and stay in
-L2, so every N-tile rereading them costs no HBM traffic), scales with IEEE division
-(``div_rn``, the CPU's bits: a scale 1 ulp off moves activations to the neighbouring e4m3
-value), rounds to e4m3 and multiplies on the FP8 tensor cores.  No separate amax and
-quantize kernels run, and each routed weight is read once.  A dense FP8 layer is the case
-``E == 1`` (:func:`fp8_linear_small`).
+``fp8_grouped_mm_small(x, w, w_scale, offs, scale_ub)`` is its FP8 counterpart (``w [E,
+N, K]`` float8_e4m3fn, per-output-channel ``w_scale [E, N]``), split along K so that a step
+of one row still gives every SM several slabs to stream: the rows are quantized once per
+token (models/quant_triton.py, the bits of :func:`chunklocal.models.quant.quantize_per_token`),
+each (N-tile, K-slice, expert) program writes its scaled float32 partial product, and one
+sum adds the slices (deterministic: no atomics).  A dense FP8 layer is the case ``E == 1``
+(:func:`fp8_linear_small`).  Its first form quantized inside every program (the rows' amax
+and division redone by each of hundreds of N-tiles) with one program per slab; on the H200
+that ran at 5-39% of the copy rate, 2-5x slower than torch's path (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    import triton
+from chunklocal._validate import cdiv
+from chunklocal.models.quant_triton import available, quantize_rows, triton
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # the CPU install has no Triton; the flag stays off there
-    triton = None
-
-
-def available(x: torch.Tensor) -> bool:
-    """Triton can run the kernel on ``x``: CUDA bf16/fp16 (fp32 inputs would go through
-    TF32 in ``tl.dot``), or any device under ``TRITON_INTERPRET=1`` (tests)."""
-    if triton is None:
-        return False
-    return _interpreting() or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
-
 
 #: The FP8 kernel's switch, read at import: ``CHUNKLOCAL_FP8_TRITON=1`` turns it on.  Off
 #: (the default until it has run and been measured on a GPU: docs/gpu-runbook.md), FP8
@@ -56,12 +47,6 @@ FP8_BLOCK_M = 16
 def fp8_available(x: torch.Tensor) -> bool:
     """:func:`fp8_grouped_mm_small` runs on ``x`` and is switched on."""
     return FP8_ENABLED and available(x)
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -94,16 +79,16 @@ if triton is not None:
 
 
 if triton is not None:
-    # num_rows (the batch) and scale_ub vary per call: no recompiles for them (a 1 or a
-    # multiple of 16 would otherwise each get a kernel of its own, at graph capture too)
-    @triton.jit(do_not_specialize=["num_rows", "scale_ub"])
-    def _fp8_grouped_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, N, K, scale_ub,
-                                 stride_xm, stride_we, stride_wn, stride_se, stride_om,
-                                 num_rows, HAS_OFFS: tl.constexpr, HAS_UB: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr):
+    # num_rows (the batch) varies per call: no recompiles for it (a 1 or a multiple of 16
+    # would otherwise each get a kernel of its own, at graph capture too)
+    @triton.jit(do_not_specialize=["num_rows"])
+    def _fp8_splitk_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, part_ptr, offs_ptr, N, K, k_split,
+                           stride_xm, stride_we, stride_wn, stride_se, stride_ps, stride_pm,
+                           num_rows, HAS_OFFS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
-        expert = tl.program_id(1)
+        split = tl.program_id(1)
+        expert = tl.program_id(2)
         if HAS_OFFS:
             end = tl.load(offs_ptr + expert)
             start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
@@ -113,50 +98,69 @@ if triton is not None:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         ks = tl.arange(0, BLOCK_K)
+        k_lo = split * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
         w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
         w_scale = tl.load(ws_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)
         for m0 in range(start, end, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             row_ok = rows < end
-            x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + ks
-                xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K),
-                             other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(xk), axis=1))
-            if HAS_UB:
-                amax = tl.minimum(amax, scale_ub)
-            scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full((BLOCK_M,), 448.0,
-                                                                      tl.float32))
+            x_rows = xq_ptr + rows[:, None].to(tl.int64) * stride_xm
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 k = k0 + ks
-                xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K),
-                             other=0.0).to(tl.float32)
-                xq = tl.math.div_rn(xk, tl.broadcast_to(scale[:, None], (BLOCK_M, BLOCK_K)))
-                xq = tl.minimum(tl.maximum(xq, -448.0), 448.0).to(tl.float8e4nv)
-                wk = tl.load(w_base + k[:, None], mask=col_ok[None, :] & (k[:, None] < K),
+                xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < k_hi),
                              other=0.0)
-                acc = tl.dot(xq, wk, acc)
-            acc = acc * scale[:, None] * w_scale[None, :]
-            out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                wk = tl.load(w_base + k[:, None], mask=col_ok[None, :] & (k[:, None] < k_hi),
+                             other=0.0)
+                acc = tl.dot(xk, wk, acc)
+            x_scale = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
+            acc = acc * x_scale[:, None] * w_scale[None, :]
+            out = part_ptr + split * stride_ps + rows[:, None].to(tl.int64) * stride_pm \
+                + cols[None, :]
+            tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs per split are enough
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
+def split_k_for(num_rows: int, num_experts: int, n_dim: int, k_dim: int, block_n: int,
+                block_k: int, sm_count: int) -> int:
+    """How many slices of K each (expert, N-tile) is cut into: enough programs for about
+    ``PROGRAMS_PER_SM`` per SM, counting only the experts that can have rows (no more than
+    ``num_rows``), and no slice thinner than ``block_k``."""
+    tiles = cdiv(n_dim, block_n) * max(1, min(num_experts, num_rows))
+    return max(1, min(cdiv(PROGRAMS_PER_SM * sm_count, tiles), cdiv(k_dim, block_k)))
+
+
+#: Programs per SM that split-K aims for: each streams its own slab, so a step of one row
+#: keeps every SM loading (a program alone per SM was the old kernel's 0.3-0.9 TB/s).
+PROGRAMS_PER_SM = 4
 
 
 def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          offs: torch.Tensor | None, scale_ub: float | None = None, *,
-                         block_m: int | None = None, block_n: int | None = None,
-                         block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
+                         block_n: int = 64, block_k: int = 256, split_k: int | None = None,
+                         num_warps: int = 4) -> torch.Tensor:
     """What :func:`chunklocal.models.quant.fp8_grouped_mm` computes (per-token dynamic
-    activation scales, capped at ``scale_ub``), in one kernel: ``x [M, K]`` bf16 rows sorted
-    by expert, ``w [E, N, K]`` float8_e4m3fn, ``w_scale [E, N]`` float32, ``offs`` int32 [E]
-    group ends (``None``: one group of all M rows, ``E == 1``).  Rows past ``offs[-1]`` are
-    left unwritten.
+    activation scales, capped at ``scale_ub``): ``x [M, K]`` bf16 rows sorted by expert,
+    ``w [E, N, K]`` float8_e4m3fn, ``w_scale [E, N]`` float32, ``offs`` int32 [E] group ends
+    (``None``: one group of all M rows, ``E == 1``).  Rows past ``offs[-1]`` are
+    unspecified.
 
-    Tiles: ``block_m`` rows per pass over an N-slab (``FP8_BLOCK_M``); ``block_n`` 32 for
-    N <= 8192 so that Scout's down projections (N = 5120) still give 160 programs for 132
-    SMs, else 64."""
+    Two steps: the rows are quantized once (:func:`quant_triton.quantize_rows`, torch's
+    bits), then a split-K grouped GEMM (grid ``N-tiles x K-slices x E``; an expert with no
+    rows returns at once, so unrouted experts are never read) writes float32 partial
+    products, scaled, that one sum over the slices adds up.  Tiles of ``FP8_BLOCK_M`` rows
+    (mma.sync: float32 partial sums); ``split_k`` None: :func:`split_k_for`."""
     if triton is None:
         raise RuntimeError("fp8_grouped_mm_small needs Triton")
     num_rows, k_dim = x.shape
@@ -165,19 +169,21 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
         raise ValueError("fp8_grouped_mm_small needs x, w and w_scale contiguous along K / N")
     if offs is None and num_experts != 1:
         raise ValueError(f"offs=None means one group, got {num_experts} experts")
-    if block_m is None:
-        block_m = FP8_BLOCK_M
-    if block_n is None:
-        block_n = 32 if n_dim <= 8192 else 64
-    out = torch.empty(num_rows, n_dim, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n_dim, block_n), num_experts)
-    _fp8_grouped_gemm_kernel[grid](
-        x, w, w_scale, out, x if offs is None else offs, n_dim, k_dim,
-        0.0 if scale_ub is None else float(scale_ub), x.stride(0), w.stride(0), w.stride(1),
-        w_scale.stride(0), out.stride(0), num_rows, HAS_OFFS=offs is not None,
-        HAS_UB=scale_ub is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=3 if block_m > 16 else 4)
-    return out
+    if split_k is None:
+        split_k = split_k_for(num_rows, num_experts, n_dim, k_dim, block_n, block_k,
+                              _sm_count(x.device))
+    k_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k  # whole K blocks
+    split_k = triton.cdiv(k_dim, k_split)
+    xq, x_scale = quantize_rows(x, scale_ub)
+    part = torch.empty(split_k, num_rows, n_dim, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n_dim, block_n), split_k, num_experts)
+    _fp8_splitk_kernel[grid](
+        xq, x_scale, w, w_scale, part, x if offs is None else offs, n_dim, k_dim, k_split,
+        xq.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), part.stride(0),
+        part.stride(1), num_rows, HAS_OFFS=offs is not None, BLOCK_M=FP8_BLOCK_M,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=4)
+    out = part[0] if split_k == 1 else part.sum(0)
+    return out.to(x.dtype)
 
 
 def fp8_linear_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

@@ -23,7 +23,21 @@ import os
 
 import torch
 
-from chunklocal.models.moe_triton import available, triton
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install has no Triton; the kernels stay off there
+    triton = None
+
+
+def available(x: torch.Tensor) -> bool:
+    """Triton can run a kernel on ``x``: CUDA bf16/fp16 (fp32 inputs would go through TF32
+    in ``tl.dot``), or any device under ``TRITON_INTERPRET=1`` (tests)."""
+    if triton is None:
+        return False
+    return os.environ.get("TRITON_INTERPRET") == "1" or (
+        x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+
 
 #: The switch, read at import (``CHUNKLOCAL_FP8_QUANT_TRITON=1``); off until measured.
 QUANT_ENABLED = os.environ.get("CHUNKLOCAL_FP8_QUANT_TRITON", "0") == "1"
@@ -36,8 +50,6 @@ def quant_available(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    import triton.language as tl
-
     @triton.jit(do_not_specialize=["scale_ub"])
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, scale_ub, stride_xm, stride_qm,
                               HAS_UB: tl.constexpr, BLOCK_K: tl.constexpr):
