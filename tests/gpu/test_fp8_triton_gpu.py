@@ -1,8 +1,8 @@
 """moe_triton's FP8 small-M kernel (rows quantized once, a split-K grouped GEMM) compiled on
-the GPU: against the CPU's fake-quantized float32 reference (the error model of test_fp8_gpu.py), on random rows (the interpreter test
-on the CPU, tests/test_moe_triton.py, can only use rows whose quantization is exact), eagerly
-and replayed in a CUDA graph with new routing, and through the two dispatch points
-(``quant.fp8_linear`` and ``moe.expert_mm``)."""
+the GPU: against the CPU's fake-quantized float32 reference (the error model of
+test_fp8_gpu.py), on random rows (the interpreter test on the CPU, tests/test_moe_triton.py,
+can only use rows whose quantization is exact), eagerly and replayed in a CUDA graph with new
+routing, and through the two dispatch points (``quant.fp8_linear`` and ``moe.expert_mm``)."""
 
 from __future__ import annotations
 
