@@ -262,6 +262,20 @@ def test_prompt_logits_of_a_prompt_filling_max_model_len(ckpt):
         llm.generate([prompt], max_new_tokens=1)
 
 
+def test_prompt_logits_come_at_most_max_num_seqs_rows_at_a_time(ckpt, monkeypatch):
+    """A step's captured logits are computed in passes of max_num_seqs rows, the most the
+    memory profile's step held ([tokens, vocab] float32 at once would not be reserved)."""
+    path, hf = ckpt
+    prompts = prompts_of([37, 20], seed=6)
+    llm = chunklocal.LLM(path, max_model_len=96, max_num_seqs=3, max_num_batched_tokens=40)
+    seen, real = [], llm.model.compute_logits
+    monkeypatch.setattr(llm.model, "compute_logits",
+                        lambda hidden: seen.append(hidden.shape[0]) or real(hidden))
+    for got, prompt in zip(llm.prompt_logits(prompts), prompts, strict=True):
+        assert rel_err(got, hf_logits(hf, prompt)) < 1e-4
+    assert max(seen) == 3 and sum(seen) >= 57  # 57 prompt rows (and the sampled ones)
+
+
 @pytest.mark.parametrize("bad, message", [
     ([5] * 200, r"prompt 1: 200 tokens \+ max_new_tokens 8 exceed max_model_len 128"),
     ([], "prompt 1 is empty"),

@@ -90,6 +90,11 @@ class ModelRunner:
         self.capture: dict | None = None
         self.capture_last_only = False
         self.capturing = 0
+        #: Rows of captured logits computed at once (None: all of a step's).  The engine sets
+        #: its max_num_seqs, the rows whose logits the memory profile's step held: a step of
+        #: max_num_batched_tokens prompt rows would otherwise hold [tokens, vocab] float32
+        #: logits at once (6.6 GB for 8192 of Scout's), beyond what the KV sizing reserved.
+        self.capture_rows_per_pass: int | None = None
         self.graphs: CudaGraphs | None = None
         self.graph_steps = 0
         if model is not None:  # None: the host half of a tensor-parallel engine
@@ -214,7 +219,10 @@ class ModelRunner:
         if self.capture is not None or self.capturing:
             rows = self.capture_rows(batch.seqs, inputs)
             if rows is not None:
-                logits = self.logits(hidden[torch.from_numpy(rows).to(self.device)]).cpu()
+                step = self.capture_rows_per_pass or len(rows)
+                index = torch.from_numpy(rows).to(self.device)
+                logits = torch.cat([self.logits(hidden[index[i:i + step]]).cpu()
+                                    for i in range(0, len(rows), step)])
                 self.store_captured(batch.seqs, inputs, rows, logits)
         rows = hidden[to_device(inputs.logit_rows, self.device)]
         sample = self.sampler.launch(self.logits(rows), batch.seqs, inputs.logit_owner)

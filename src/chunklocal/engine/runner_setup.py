@@ -70,6 +70,7 @@ def build_runner(setup: RunnerSetup, model, device, block_manager=None,
                 for grp in block_manager.groups]
     runner = ModelRunner(model, block_manager, setup.kind_to_group, backends, device,
                          setup.kv_dtype, setup.seed, chunk_size=setup.chunk_size)
+    runner.capture_rows_per_pass = setup.limits.max_num_seqs  # as many as the profile held
     if setup.cuda_graphs and capture_graphs:
         runner.enable_cuda_graphs(backends[0].graph_batch_sizes, backends[0].graph_query_lens,
                                   setup.graph_recorder)
