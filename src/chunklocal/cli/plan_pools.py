@@ -18,7 +18,7 @@ from typing import Any
 from chunklocal._validate import positive_int
 from chunklocal.bounds.kv_pools import GIB, PageShape, plan_kv_pools
 from chunklocal.engine.config import EngineConfig
-from chunklocal.engine.memory import MemoryBudget
+from chunklocal.engine.memory import PROFILE_HEADROOM, MemoryBudget
 from chunklocal.kv_spec import Kind
 
 SCOUT = dict(num_layers=48, global_every=4, num_kv_heads=8, head_dim=128, kv_dtype_bytes=2)
@@ -61,8 +61,9 @@ def kv_pools(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
                   max_model_len=max_model_len, block_size=block_size)
     budget = None
     if device_memory_gib is not None:
-        budget = MemoryBudget(gpu_memory_utilization, int(device_memory_gib * GIB),
-                              int(weights_gib * GIB), int(activations_gib * GIB))
+        total = int(device_memory_gib * GIB)  # the engine keeps its headroom free too
+        budget = MemoryBudget(gpu_memory_utilization, total, int(weights_gib * GIB),
+                              int(activations_gib * GIB), headroom=int(PROFILE_HEADROOM * total))
         result = plan_kv_pools(layers_of, specs, hybrid=hybrid, available=budget.requested,
                                weight_bytes=budget.weights, reserved_bytes=budget.reserved,
                                fraction=1.0, budget_note=budget.note(), **limits)
@@ -81,7 +82,7 @@ def kv_pools(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: i
         budget=None if budget is None else dict(
             gpu_memory_utilization=budget.utilization, device_bytes=budget.total,
             requested_bytes=budget.requested, weight_bytes=budget.weights,
-            activation_bytes=budget.activations),
+            activation_bytes=budget.activations, headroom_bytes=budget.headroom),
         one_request=dict(pages={g.name: g.need for g in one.groups},
                          bytes=sum(g.need * g.page_bytes for g in one.groups)),
         groups=[dict(name=g.name, pages=g.pages, need=g.need, layers=g.layers,

@@ -153,8 +153,9 @@ class MemoryBudget:
         """Where the KV budget comes from, for messages."""
         return (f"gpu_memory_utilization={self.utilization} of {self.total / GIB:.1f} GiB, "
                 f"less {self.weights / GIB:.2f} GiB of weights, {self.activations / GIB:.2f} "
-                f"GiB of activations, {self.graphs / GIB:.2f} GiB of CUDA graphs and "
-                f"{self.outside_torch / GIB:.2f} GiB outside torch")
+                f"GiB of activations, {self.graphs / GIB:.2f} GiB of CUDA graphs, "
+                f"{self.outside_torch / GIB:.2f} GiB outside torch and "
+                f"{self.headroom / GIB:.2f} GiB of headroom")
 
 
 def check_start(baseline: Baseline, utilization: float, weight_bytes: int,
