@@ -107,8 +107,8 @@ def test_nothing_past_eos_stop_token_or_stop_string(path, monkeypatch):
               SamplingParams(temperature=1.0, seed=9, max_tokens=24, stop=[stop_str]),
               SamplingParams(temperature=0.0, max_tokens=3)]
     published = []
-    real = RequestStream._publish
-    monkeypatch.setattr(RequestStream, "_publish",
+    real = RequestStream.publish
+    monkeypatch.setattr(RequestStream, "publish",
                         lambda self, *a: (published.append(self._request.snapshot()),
                                           real(self, *a))[1])
     got = overlapped.generate(prompts, params)

@@ -108,8 +108,8 @@ def scripted(llm, monkeypatch):
         published.append(self._request.snapshot())
         return real(self, *args)
 
-    real = RequestStream._publish
-    monkeypatch.setattr(RequestStream, "_publish", recording)
+    real = RequestStream.publish
+    monkeypatch.setattr(RequestStream, "publish", recording)
     return scripts, published
 
 
@@ -175,18 +175,18 @@ def test_stream_snapshots_stop_string_across_tokens(llm, scripted):
 def test_stream_prefix_property_end_to_end(llm, text, stop, include):
     """Every published snapshot (one per step) is a prefix of the final text."""
     published = []
-    real = RequestStream._publish
+    real = RequestStream.publish
     sampler = llm.runner.sampler
     prompt = [9, 9, len(text)]
     llm.runner.sampler = Scripted({tuple(prompt): encode(text) + [1] * 40})
-    RequestStream._publish = lambda self, *a: (published.append(self._request.snapshot()),
+    RequestStream.publish = lambda self, *a: (published.append(self._request.snapshot()),
                                                real(self, *a))[1]
     try:
         params = SamplingParams(max_tokens=len(encode(text)) + 2, stop=[stop],
                                 include_stop_str_in_output=include)
         final = llm.core.add_request(prompt, params).result()
     finally:
-        RequestStream._publish, llm.runner.sampler = real, sampler
+        RequestStream.publish, llm.runner.sampler = real, sampler
     out = final.outputs[0]
     at = text.find(stop)
     if at >= 0:

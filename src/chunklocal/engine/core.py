@@ -148,7 +148,7 @@ class EngineCore:
             raise ValueError(f"request {rid}: stop strings {list(params.stop)} need a "
                              "tokenizer; the checkpoint has none")
         req = Request(rid, ids, params, prompt, time.monotonic())
-        req.stream._abort = functools.partial(_abort_weakly, weakref.ref(self), rid)
+        req.stream.bind_abort(functools.partial(_abort_weakly, weakref.ref(self), rid))
         groups = len(self.llm.groups)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"request {rid}: cache_salt must be a str, got {cache_salt!r}")
@@ -312,7 +312,7 @@ class EngineCore:
         req = self._requests.get(rid)
         if req is None:
             return
-        with req.stream._cond:
+        with req.stream.lock:
             for sample in req.samples:
                 if sample.finish_reason is None:
                     self.scheduler.abort(sample.seq)
@@ -330,7 +330,7 @@ class EngineCore:
         self._requests.pop(req.request_id, None)
         with self._lock:
             self._live.pop(req.request_id, None)
-        req.stream._publish(wakeups)
+        req.stream.publish(wakeups)
 
 
 def _abort_weakly(core_ref, request_id, wait=False) -> None:

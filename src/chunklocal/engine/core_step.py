@@ -63,13 +63,13 @@ def _die(core, commands, err: BaseException, first) -> None:
         for req in queued:
             if req.request_id in core._requests:
                 continue  # admitted before the loop died: fail_all finished it
-            with req.stream._cond:
+            with req.stream.lock:
                 for sample in req.samples:
                     sample.finish("abort")
                 req.error = err
                 with core._lock:
                     core._live.pop(req.request_id, None)
-                req.stream._publish()
+                req.stream.publish()
 
 
 def run_step(core) -> None:
@@ -144,7 +144,7 @@ def fail_all(core, err: BaseException) -> None:
     """Free every page and fail every request still in the engine with ``err``."""
     core.scheduler.abort_all()
     for req in list(core._requests.values()):
-        with req.stream._cond:
+        with req.stream.lock:
             for sample in req.samples:
                 sample.finish("abort")
             core._finish(req, error=err)
@@ -165,20 +165,20 @@ def _publish(core, batch, out, step=None) -> None:
             req.last_step = step
             if len(out.tokens[i]) == 0 or seq.sample.finish_reason is not None:
                 continue  # a prefill piece short of the prompt's end, or finished meanwhile
-            with req.stream._cond:
+            with req.stream.lock:
                 _advance(core, seq.sample, seq, out, i, now)
                 if len(req.samples) > 1:
                     multi[req.request_id] = req
                 elif seq.sample.finish_reason is not None:
                     core._finish(req, wakeups=wake)
                 else:
-                    req.stream._publish(wake)
+                    req.stream.publish(wake)
         for req in multi.values():
-            with req.stream._cond:
+            with req.stream.lock:
                 if req.finished:
                     core._finish(req, wakeups=wake)
                 else:
-                    req.stream._publish(wake)
+                    req.stream.publish(wake)
     finally:  # a reader published to is woken even if a later request raised
         wake.send()
 

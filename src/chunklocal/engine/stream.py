@@ -1,7 +1,7 @@
 """A request's live state and the stream that hands its snapshots to a client.
 
 The engine core's loop thread is the only writer: it updates a request's samples and
-then publishes (``_publish``) under the stream's condition.  Readers (any thread, or
+then publishes (``publish``) under the stream's lock.  Readers (any thread, or
 an asyncio task) build a snapshot under the same condition, so a snapshot never mixes
 two steps.  Snapshots are cumulative, so a slow reader simply skips to the latest one:
 nothing queues up behind it and nothing is lost.
@@ -139,13 +139,24 @@ class RequestStream:
         self._cond = threading.Condition()
         self._version = 0
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self._abort: Callable[[bool], None] | None = None  # set by the engine core
+        self._abort: Callable[[bool], None] | None = None  # bind_abort()
         self._done = threading.Event()  # set after the final publish (result() waits here)
         self._sync_readers = 0  # threads inside __iter__'s wait (skip notify_all without)
 
-    # -- writer side (engine loop) ---------------------------------------------------------
-    def _publish(self, wakeups: Wakeups | None = None) -> None:
-        """Call with ``_cond`` held, after changing the request's state; asyncio readers
+    # -- writer side (the engine core) ------------------------------------------------------
+    @property
+    def lock(self) -> threading.Condition:
+        """Held by the engine while it changes the request's state and publishes it; the
+        readers take snapshots under it."""
+        return self._cond
+
+    def bind_abort(self, abort: Callable[[bool], None]) -> None:
+        """What :meth:`abort` calls (``abort(wait)``): the engine core's, bound once the
+        request is made."""
+        self._abort = abort
+
+    def publish(self, wakeups: Wakeups | None = None) -> None:
+        """Call with :attr:`lock` held, after changing the request's state; asyncio readers
         are woken now, or by ``wakeups.send()`` (the step's publish sends once)."""
         self._version += 1
         if self._request.finished or self._request.error is not None:
