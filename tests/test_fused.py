@@ -83,6 +83,23 @@ def test_a_shared_expert_fuses_in_place():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_fused_shared_expert_still_stacks_into_the_experts():
+    """MoE.stack_shared (slot E of the stacks) takes the fused gate_up weight as it is."""
+    from chunklocal.models.moe import MoE
+
+    torch.manual_seed(1)
+    layer = MoE(4, 1, 16, 24, nn.SiLU(), fuse_max_tokens=1 << 30)
+    for p in layer.parameters():
+        nn.init.normal_(p, std=0.2)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        want = layer(x)
+        assert layer.shared_expert.fuse() and layer.stack_shared()
+        got = layer(x)  # the shared expert as group E of the grouped GEMMs
+    assert layer.shared_expert is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def engine(path, **kwargs):
     args = dict(device="cpu", dtype=torch.float32, max_model_len=256,
                 max_num_batched_tokens=64, block_size=4)

@@ -255,10 +255,15 @@ class MoE(nn.Module):
         """Move the shared expert into slot E of ``w13``/``w2`` (one copy of the stacks).
         Only for float weights of one dtype; returns whether it stacked."""
         ex, sh = self.experts, self.shared_expert
-        if self.stacked or ex.w13_scale is not None or ex.w13.dtype != sh.gate_proj.weight.dtype \
-                or ex.w13.shape[1] != 2 * sh.gate_proj.weight.shape[0]:  # "ep": whole experts
+        if self.stacked or sh is None:
             return self.stacked
-        w13 = torch.cat([sh.gate_proj.weight, sh.up_proj.weight]).unsqueeze(0)
+        gate_up = sh.gate_up_proj.get_parameter("weight") if sh.gate_up_proj is not None \
+            else torch.cat([sh.gate_proj.get_parameter("weight"),  # not fused at load
+                            sh.up_proj.get_parameter("weight")])
+        if ex.w13_scale is not None or ex.w13.dtype != gate_up.dtype \
+                or ex.w13.shape[1] != gate_up.shape[0]:  # "ep": whole experts
+            return self.stacked
+        w13 = gate_up.unsqueeze(0)
         ex.w13 = nn.Parameter(torch.cat([ex.w13, w13]), requires_grad=False)
         ex.w2 = nn.Parameter(torch.cat([ex.w2, sh.down_proj.weight.unsqueeze(0)]),
                              requires_grad=False)
