@@ -20,7 +20,7 @@ Two parts, one run (GPU):
   (``floors.BalancedRouting``; the experts touched per layer are in each row).
 
     python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
-        [--engine-paths unfused torch quant triton]
+        [--engine-paths unfused torch quant triton] [--sweep 1 16 64]
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def graphed(fn, device):
 def kernel_rows(device, copy_rate, ms, smoke) -> list[dict]:
     from chunklocal.models import moe_triton
 
-    triton_ok = moe_triton.available(torch.empty(1, dtype=torch.bfloat16, device=device))
+    triton_ok = moe_triton_available(device)
     rows, saved = [], moe_triton.FP8_ENABLED
     moe_triton.FP8_ENABLED = False  # fp8_linear: torch's path; the kernel is called by name
     try:
@@ -141,6 +141,39 @@ def cell(name, m, nbytes, paths, device, copy_rate) -> dict:
     return row
 
 
+#: Tile and split choices of the split-K kernel that ``--sweep`` times (block_n, split_k;
+#: None: the kernel's own choice, ``moe_triton.split_k_for``).
+SWEEP = [(bn, sk) for bn in (32, 64, 128) for sk in (None, 1, 2, 4, 8, 16)]
+
+
+def sweep_rows(device, copy_rate, ms, smoke) -> list[dict]:
+    """The split-K kernel at each SWEEP configuration, Scout's four shapes, ``ms`` rows
+    (spread round-robin over the experts): the table its defaults are chosen from."""
+    from chunklocal.models import moe_triton
+
+    shapes = {f"dense {k}": (1, *v) for k, v in DENSE.items()}
+    shapes |= {f"experts {k}": v for k, v in GROUPED.items()}
+    configs = SWEEP[:2] if smoke else SWEEP
+    rows = []
+    for name, (e, n, k) in shapes.items():
+        n, k = (n // 64, k // 64) if smoke else (n, k)
+        w, s = weights(e, n, k, device)
+        for m in ms:
+            counts = torch.bincount(torch.arange(m) % e, minlength=e)
+            offs = None if e == 1 else counts.cumsum(0).to(torch.int32).to(device)
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            touched = int((counts > 0).sum())
+            paths = {f"bn{bn}_split{'auto' if sk is None else sk}":
+                     (lambda x=x, w=w, s=s, o=offs, bn=bn, sk=sk:
+                      moe_triton.fp8_grouped_mm_small(x, w, s, o, block_n=bn, split_k=sk))
+                     for bn, sk in configs}
+            row = cell(name, m, touched * n * k + m * (k + n) * 2, paths, device, copy_rate)
+            row["split_k_auto"] = moe_triton.split_k_for(
+                m, e, n, k, 64, 256, moe_triton._sm_count(device))
+            rows.append(row)
+    return rows
+
+
 #: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel).
 ENGINE_PATHS = {"unfused": (False, False, False), "torch": (True, False, False),
                 "quant": (True, False, True), "triton": (True, True, False)}
@@ -190,11 +223,20 @@ def engine_rows(rows, batches, steps, device, rates, save, errors, paths) -> Non
             torch.cuda.empty_cache()
 
 
+def moe_triton_available(device) -> bool:
+    from chunklocal.models import moe_triton
+
+    return moe_triton.available(torch.empty(1, dtype=torch.bfloat16, device=device))
+
+
 def main(argv=None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--engine-batches", type=int, nargs="*", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--sweep", type=int, nargs="*", default=None, metavar="ROWS",
+                        help="also time the split-K kernel at every SWEEP tile/split choice "
+                             "for these row counts (e.g. --sweep 1 16 64)")
     parser.add_argument("--engine-paths", nargs="+", choices=sorted(ENGINE_PATHS),
                         default=["unfused", "torch", "quant"],
                         help="engine variants, in order: unfused projections, torch's FP8 "
@@ -214,6 +256,9 @@ def main(argv=None) -> int:
     payload["kernels"] = kernel_rows(device, copy_rate, [1, 3] if args.smoke else args.rows,
                                      args.smoke)
     save()
+    if args.sweep and moe_triton_available(device):
+        payload["sweep"] = sweep_rows(device, copy_rate, args.sweep, args.smoke)
+        save()
     if device.type == "cuda" and args.engine_batches:
         from benchmarks.common import measure_matmul_flops
 

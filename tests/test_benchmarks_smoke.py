@@ -10,6 +10,7 @@ metadata build count must equal make_virtual_batches' count.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,6 +182,29 @@ def test_fp8_small_m_smoke(tmp_path):
         for m in (1, 3)]
     assert [r.get("experts_touched") for r in rows[4:]] == [1, 3, 1, 3]
     assert all(r["bytes"] > 0 and r["floor_us"] > 0 for r in rows)
+
+
+def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
+    """--sweep times the split-K kernel per tile/split choice (Triton's interpreter on the
+    CPU: the kernel and quantization columns run too), every row with its auto split."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "benchmarks.fp8_small_m", "--smoke",
+                          "--sweep", "2", "--engine-batches", "--out", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = _load(tmp_path / "fp8_small_m_smoke.json")
+    assert {"torch_us", "quant_us", "triton_us"} <= set(data["kernels"][0])
+    sweep = data["sweep"]
+    assert [(r["gemm"], r["rows"]) for r in sweep] == [
+        (g, 2) for g in ("dense gate_up", "dense down", "experts w13", "experts w2")]
+    assert all("bn32_splitauto_us" in r and "bn32_split1_us" in r and r["split_k_auto"] >= 1
+               for r in sweep)
 
 
 def test_fp8_small_m_engine_variants_set_and_restore_their_switches():
