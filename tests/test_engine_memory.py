@@ -80,7 +80,8 @@ def fake(monkeypatch):
     def run(runner, batch):
         memory.events.append(f"step {len(batch.seqs)}x{sum(batch.num_new)}")
         memory.stepped = True
-        if id(runner) not in memory.runners:  # made since the reset: its pages count
+        if runner.model is not None and id(runner) not in memory.runners:
+            # made since the reset: its pages count (a tensor-parallel caller has no model)
             memory.runners.add(id(runner))
             memory.pages = runner_setup._kv_bytes(runner.model)
         return real_run(runner, batch)
@@ -303,3 +304,28 @@ def test_garbage_collected_during_a_profiled_step_does_not_hide_its_peak():
         memory.held -= 7 * MIB
 
     assert peak_of(memory, step) == 7 * MIB
+
+
+def test_tensor_parallel_ranks_each_profile_their_own_device(path, fake, monkeypatch):
+    """Two ranks (gloo; forked, so each has its own copy of the fake device): each takes its
+    baseline before loading, loads its slices and runs the largest step with its peer, and the
+    pools are what one rank's budget leaves (vLLM sizes each worker so), not 40% of free."""
+    from chunklocal.models import loader
+
+    real_load = loader.load_model
+
+    def load(*args, **kwargs):  # what a rank's load takes of its device
+        fake.events.append("load")
+        fake.held, fake.outside = fake.held + WEIGHTS, CONTEXT
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "load_model", load)
+    with chunklocal.LLM(path, gpu_memory_utilization=0.75, tensor_parallel_size=2,
+                        **KW) as llm:
+        budget = llm.memory_budget
+        assert (budget.total, budget.weights, budget.activations, budget.graphs,
+                budget.outside_torch) == (64 * MIB, WEIGHTS, ACTIVATIONS, 0, CONTEXT)
+        want = expected_pools(llm, budget)
+        assert [g.num_blocks for g in llm.groups] == [g.pages for g in want.groups]
+        assert fake.events == []  # the caller's process measured nothing: the ranks did
+        assert len(llm.generate([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)[0]) == 4

@@ -20,11 +20,10 @@ from chunklocal.engine.llm_args import check_model, default_sampling
 from chunklocal.engine.memory import (
     CPU_KV_FRACTION,
     Baseline,
-    CudaMemory,
-    DeviceMemory,
     MemoryBudget,
     MemoryFactory,
     check_start,
+    device_memory_for,
     startup_line,
 )
 from chunklocal.engine.requests import check_prompts, load_tokenizer
@@ -160,10 +159,14 @@ class LLM(OwnsWorkers):
                  for kind in set(self.layer_kinds)}
         if n > 1:  # the ranks start (and report their free memory) before any weight loads
             self.workers = start_workers(n, self.model_dir, self.device, kv_dtype,
-                                         cfg.moe_parallel, load_format, seed)
-        # Pools planned before any weight loads: what cannot fit is refused now.
-        memory = self._memory() if n == 1 and cfg.num_kv_blocks is None else None
-        baseline = Baseline.take(memory) if memory is not None else None
+                                         cfg.moe_parallel, load_format, seed,
+                                         type(self).device_memory, cfg.num_kv_blocks is None)
+        # Pools planned before any weight loads: what cannot fit is refused now.  With N
+        # ranks, each measures its own device (the least free one is planned from).
+        memory = device_memory_for(type(self).device_memory, self.device) \
+            if n == 1 and cfg.num_kv_blocks is None else None  # a class attribute, not a method
+        baseline = Baseline.take(memory) if memory is not None else \
+            getattr(self.workers, "baseline", None)
         pools = self._plan_pools(specs, cfg.hybrid_kv_cache, cfg.num_kv_blocks,
                                  plan.weight_bytes(kv_dtype), baseline)
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" and n == 1 \
@@ -177,7 +180,7 @@ class LLM(OwnsWorkers):
             config.num_attention_heads // n, kv_dtype, self.num_speculative_tokens,
             self.cuda_graphs, seed, chunk, self.graph_recorder)
         self.memory_budget = None
-        if memory is not None and baseline is not None:  # gpu_memory_utilization sizes KV
+        if baseline is not None:  # gpu_memory_utilization sizes KV
             with on_device:
                 self.memory_budget = self._profile(setup, memory, baseline)
             pools = self._plan_pools(specs, cfg.hybrid_kv_cache, None, 0, baseline,
@@ -220,22 +223,14 @@ class LLM(OwnsWorkers):
             return ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=c.attention_chunk_size)
         return FullAttentionSpec(*geometry)
 
-    def _memory(self) -> DeviceMemory | None:
-        """The device queries gpu_memory_utilization sizes the pools by (None on the CPU,
-        which keeps its RAM budget: engine/memory.py)."""
-        factory = type(self).device_memory  # a class attribute: a plain function or class
-        if factory is not None:
-            return factory(self.device)
-        return CudaMemory(self.device) if self.device.type == "cuda" else None
-
     def _plan_pools(self, specs, hybrid, num_kv_blocks, weight_bytes, baseline=None,
                     budget=None) -> KVPoolPlan:
         """The pools of bounds/kv_pools.py (per rank: specs hold a rank's KV heads,
         weight_bytes its slices).  With ``budget`` (profiled): what it leaves.  With a
         ``baseline`` alone, before the weights load: the weights and one request of
         max_model_len must fit in gpu_memory_utilization (activations not yet known).
-        Else ``num_kv_blocks``, or the CPU's RAM budget (and, with tensor parallelism, 40%
-        of the least free memory of the ranks after their weights)."""
+        Else ``num_kv_blocks``, or the CPU's RAM budget.  With tensor parallelism the
+        baseline and budget are the ranks' (engine/workers.py)."""
         kw = dict(hybrid=hybrid, max_num_seqs=self.max_num_seqs,
                   max_num_batched_tokens=self.max_num_batched_tokens,
                   max_model_len=self.max_model_len, block_size=self.block_size,
@@ -258,7 +253,10 @@ class LLM(OwnsWorkers):
 
     def _profile(self, setup, memory, baseline) -> MemoryBudget:
         """The weights as loaded, and one step of the largest shape (and of the largest
-        graph) measured: what gpu_memory_utilization leaves for the pools."""
+        graph) measured: what gpu_memory_utilization leaves for the pools (with N ranks,
+        each rank's, the one with the least room)."""
+        if memory is None and self.workers is not None:
+            return self.workers.profile(setup, self.gpu_memory_utilization)
         weights = memory.allocated() - baseline.allocated
         activations, graphs = profile_run(setup, self.model, self.device, memory,
                                           self.config.vocab_size)

@@ -16,7 +16,10 @@ graph shape, tried first, reserved 1 MiB on an H200 and the engine went 32 MiB p
 fraction.)  Memory outside torch's allocator that grew since start-up (CUDA context,
 library workspaces: ``mem_get_info`` less allocated) is reserved too.  The KV pools then
 take ``u x total - weights - activations - graphs - non-torch`` (bounds/kv_pools.py,
-capped at ``max_num_seqs`` requests of ``max_model_len``).
+capped at ``max_num_seqs`` requests of ``max_model_len``).  With tensor parallelism every
+rank does this on its own device (engine/workers.py: its baseline before its slices load,
+its profile step run with its peers, whose collectives meet), and the pools, the same on
+every rank, are planned from the rank with the least room.
 
 **CPU**: torch has no allocator statistics there, so nothing is profiled; the KV pools
 take at most ``CPU_KV_FRACTION`` (40%) of the RAM Linux reports available
@@ -87,6 +90,15 @@ class CudaMemory:
 
 #: Makes the DeviceMemory of a device (LLM.device_memory; None: CudaMemory on a GPU).
 MemoryFactory = Callable[[torch.device], DeviceMemory]
+
+
+def device_memory_for(factory: MemoryFactory | None, device: torch.device
+                      ) -> DeviceMemory | None:
+    """The queries gpu_memory_utilization sizes the pools by: ``factory``'s, else torch.cuda's
+    on a GPU; None on the CPU, which keeps its RAM budget."""
+    if factory is not None:
+        return factory(device)
+    return CudaMemory(device) if device.type == "cuda" else None
 
 
 def check_utilization(value) -> float:

@@ -31,6 +31,7 @@ from multiprocessing.connection import wait
 
 import torch
 
+from chunklocal.engine.memory import MemoryFactory
 from chunklocal.engine.tp_runner import RemoteRunner, execute
 
 _STOP = b"stop"
@@ -54,6 +55,10 @@ class WorkerArgs:
     seed: int           # of load_format="dummy" weights (the same on every rank)
     num_threads: int    # torch CPU threads per worker
     init_file: str      # torch.distributed FileStore rendezvous
+    # gpu_memory_utilization's device queries (LLM.device_memory; None: torch.cuda's on a
+    # GPU, nothing on the CPU) and whether the caller will ask for a profile
+    memory_factory: MemoryFactory | None = None
+    profile_memory: bool = False
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -87,7 +92,8 @@ def _worker_main(rank: int, size: int, args: WorkerArgs, conn, parent_pid: int) 
 def _serve(rank: int, size: int, args: WorkerArgs, conn) -> None:
     import torch.distributed as dist
 
-    from chunklocal.engine.runner_setup import build_runner
+    from chunklocal.engine.memory import Baseline, MemoryBudget, device_memory_for
+    from chunklocal.engine.runner_setup import build_runner, profile_run
     from chunklocal.models.llama4_config import read_config
     from chunklocal.models.loader import load_model, plan_load
     from chunklocal.models.parallel import TPGroup
@@ -100,12 +106,25 @@ def _serve(rank: int, size: int, args: WorkerArgs, conn) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{args.init_file}",
                             rank=rank, world_size=size, timeout=timedelta(minutes=10),
                             **({"device_id": device} if cuda else {}))
-    # Free memory before any weight loads: the caller sizes the KV pool from it.
-    conn.send(("started", torch.cuda.mem_get_info(device)[0] if cuda else None))
+    # Free memory before any weight loads (and, for gpu_memory_utilization, this rank's
+    # baseline): the caller plans the KV pools from the least of the ranks.
+    memory = device_memory_for(args.memory_factory, device) if args.profile_memory else None
+    baseline = Baseline.take(memory) if memory is not None else None
+    conn.send(("started", torch.cuda.mem_get_info(device)[0] if cuda else None, baseline))
     setup = conn.recv()
     plan = plan_load(args.model_dir, read_config(args.model_dir), args.load_format,
                      TPGroup(rank, size, None, args.moe_parallel))
-    runner = build_runner(setup, load_model(plan, device, args.dtype, args.seed), device)
+    model = load_model(plan, device, args.dtype, args.seed)
+    if setup[0] == "profile":  # every rank runs the same largest step: its collectives meet
+        _, setup, utilization = setup
+        if memory is None or baseline is None:
+            raise RuntimeError("a memory profile was asked of a rank that measures no memory")
+        weights = memory.allocated() - baseline.allocated
+        measured = profile_run(setup, model, device, memory, plan.ckpt.text.vocab_size)
+        conn.send(("budget", MemoryBudget.profiled(utilization, baseline, memory, weights,
+                                                   *measured)))
+        setup = conn.recv()
+    runner = build_runner(setup[1], model, device)
     conn.send(("ready", runner.graphs is not None))
     while True:
         payload = conn.recv_bytes()
@@ -172,16 +191,29 @@ class Workers:
         started = self._receive(range(size), "started")
         frees = [msg[1] for msg in started.values() if msg[1] is not None]
         self.free_bytes = min(frees) if frees else None
+        baselines = [msg[2] for msg in started.values() if msg[2] is not None]
+        #: The baseline of the rank with the least free memory (gpu_memory_utilization's
+        #: start-up check and pools are planned from it), or None without a profile.
+        self.baseline = min(baselines, key=lambda b: b.free) if baselines else None
 
     @property
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
 
+    def profile(self, runner_setup, utilization: float):
+        """Every rank loads its weights and runs the largest step (engine/memory.py); the
+        budget of the rank with the least room left for KV (every rank holds the same
+        pages)."""
+        for conn in self.conns:
+            self._send(conn, ("profile", runner_setup, utilization))
+        budgets = [msg[1] for msg in self._receive(range(len(self.procs)), "budget").values()]
+        return min(budgets, key=lambda b: b.requested - b.weights - b.reserved)
+
     def start_runners(self, runner_setup, block_manager) -> RemoteRunner:
         """Send every rank the engine's KV groups; once all have loaded their weights and
         built their runner, the caller's runner that drives them."""
         for conn in self.conns:
-            self._send(conn, runner_setup)
+            self._send(conn, ("setup", runner_setup))
         self._receive(range(len(self.procs)), "ready")
         return RemoteRunner(self, block_manager, runner_setup.kind_to_group,
                             runner_setup.chunk_size)
@@ -294,7 +326,8 @@ class OwnsWorkers:
 
 
 def start_workers(size: int, model_dir, device: torch.device, dtype, moe_parallel,
-                  load_format="auto", seed=0) -> Workers:
+                  load_format="auto", seed=0, memory_factory=None,
+                  profile_memory: bool = False) -> Workers:
     """Spawn the ranks of ``LLM(..., tensor_parallel_size=size)``; rank r uses cuda:r."""
     if device.type == "cuda" and (device.index is not None or torch.cuda.device_count() < size):
         raise ValueError(f"tensor_parallel_size {size} runs rank r on cuda:r: pass "
@@ -303,4 +336,5 @@ def start_workers(size: int, model_dir, device: torch.device, dtype, moe_paralle
     threads = max(1, torch.get_num_threads() // size) if device.type == "cuda" else 1
     return Workers(size, dict(model_dir=str(model_dir), device_type=device.type, dtype=dtype,
                               moe_parallel=moe_parallel, load_format=load_format, seed=seed,
-                              num_threads=threads))
+                              num_threads=threads, memory_factory=memory_factory,
+                              profile_memory=profile_memory))
