@@ -308,3 +308,84 @@ def test_bad_checkpoint_kv_scales(ckpt, tmp_path, scales, message):
     path = _with_scales(ckpt, tmp_path / "bad", scales)
     with pytest.raises(ValueError, match=message):
         chunklocal.LLM(path, kv_cache_dtype="fp8", **ENGINE)
+
+
+# ------------------------------------------------------------------ calculate_kv_scales
+def _record_calibrations(monkeypatch):
+    """Every calibrated_scales call: (max |K|, max |V|, the scales it returned)."""
+    from chunklocal.kv_quant import calibrated_scales
+    from chunklocal.models import llama4
+
+    seen = []
+
+    def recording(k, v):
+        scales = calibrated_scales(k, v)
+        seen.append((float(k.abs().amax()), float(v.abs().amax()), scales))
+        return scales
+
+    monkeypatch.setattr(llama4, "calibrated_scales", recording)
+    return seen
+
+
+def test_calculate_kv_scales_sets_each_layer_from_the_first_step(ckpt, monkeypatch):
+    """vLLM's calculate_kv_scales: on the first real step (not the memory profile's, not a
+    later one) every layer's k_scale is that step's max |K| / 200 and v_scale max |V| / 100,
+    set before its pages are written; the logits stay as close to a 16-bit cache."""
+    seen = _record_calibrations(monkeypatch)
+    kw = dict(ENGINE, kv_cache_dtype="fp8")
+    llm = chunklocal.LLM(ckpt, calculate_kv_scales=True, **kw)
+    assert seen == [] and all(layer.self_attn.k_scale == 1.0 for layer in llm.model.layers)
+    prompts = prompts_of((9, 30, 45))
+    got = torch.cat(llm.prompt_logits(prompts))
+    layers = llm.model.layers
+    assert len(seen) == len(layers)  # once per layer
+    for (k_amax, v_amax, _), layer in zip(seen, layers, strict=True):
+        assert layer.self_attn.k_scale == k_amax / 200 and layer.self_attn.v_scale == v_amax / 100
+        assert layer.self_attn.k_scale != 1.0
+    llm.generate(prompts, max_new_tokens=4)
+    assert len(seen) == len(layers)  # not again
+    want = torch.cat(chunklocal.LLM(ckpt, **ENGINE).prompt_logits(prompts))
+    assert (got - want).abs().max() / want.abs().max() < 0.05
+
+
+def test_calculate_kv_scales_recaptures_the_graphs(ckpt, standin, monkeypatch):
+    """With CUDA graphs (FlashInfer stand-in): the first step runs eagerly, whatever its
+    shape, and the graphs captured with the scales of 1 are captured again, so replayed
+    decodes read the pages with the calibrated scales: the tokens of an eager engine."""
+    kw = dict(ENGINE, kv_cache_dtype="fp8", dtype=torch.float32, calculate_kv_scales=True,
+              attention_backend="flashinfer")
+    prompts = motif_prompts(1)
+    graphs = StandinLLM(ckpt, cuda_graphs=True, **kw)
+    eager = StandinLLM(ckpt, cuda_graphs=False, **kw)
+    first = graphs.runner.graphs
+    outputs = graphs.generate(prompts, max_new_tokens=16)
+    assert graphs.runner.graphs is not first and any(graphs.runner.graphs.replays.values())
+    assert outputs == eager.generate(prompts, max_new_tokens=16)
+    scales = [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in graphs.model.layers]
+    assert scales == [(layer.self_attn.k_scale, layer.self_attn.v_scale)
+                      for layer in eager.model.layers] and scales[0] != (1.0, 1.0)
+
+
+def test_the_memory_profile_step_does_not_calibrate(ckpt, monkeypatch):
+    """gpu_memory_utilization's profile step (dummy prompts) runs before any real one: the
+    scales come from the first real step, not from it."""
+    from test_engine_memory import FakeMemory
+
+    seen = _record_calibrations(monkeypatch)
+    memory = FakeMemory(64 << 20)
+    monkeypatch.setattr(chunklocal.LLM, "device_memory", lambda device: memory)
+    kw = {k: v for k, v in ENGINE.items() if k != "num_kv_blocks"}
+    llm = chunklocal.LLM(ckpt, kv_cache_dtype="fp8", calculate_kv_scales=True, **kw)
+    assert llm.memory_budget is not None and "reset" in memory.events  # it was profiled
+    assert seen == []
+    llm.generate(prompts_of((9,)), max_new_tokens=2)
+    assert len(seen) == len(llm.model.layers)
+
+
+def test_calculate_kv_scales_needs_fp8_pages(ckpt):
+    with pytest.raises(ValueError, match="calculate_kv_scales=True calibrates FP8 KV pages: "
+                                         "it needs kv_cache_dtype='fp8'"):
+        chunklocal.LLM(ckpt, calculate_kv_scales=True, **ENGINE)
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        chunklocal.LLM(ckpt, calculate_kv_scales="yes", kv_cache_dtype="fp8", **ENGINE)
+    assert LLM_FLAGS["calculate_kv_scales"] == "calculate_kv_scales"

@@ -31,6 +31,20 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if check_kv_cache_dtype(kv_cache_dtype) == "auto" else FP8_KV_DTYPE
 
 
+#: ``calculate_kv_scales``: a layer's K (V) scale is the first real step's max |K| (|V|) over
+#: these, vLLM's ``K_SCALE_CONSTANT`` / ``V_SCALE_CONSTANT`` defaults: the amax lands at 200
+#: (100) of e4m3's 448, room for later tokens of larger magnitude before they saturate.
+K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0
+
+
+def calibrated_scales(k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
+    """(k_scale, v_scale) of ``calculate_kv_scales`` from one step's keys and values (two
+    host syncs, once per layer per engine); an all-zero tensor keeps its scale of 1."""
+    k_amax, v_amax = float(k.abs().amax()), float(v.abs().amax())
+    return (k_amax / K_SCALE_CONSTANT if k_amax > 0 else 1.0,
+            v_amax / V_SCALE_CONSTANT if v_amax > 0 else 1.0)
+
+
 def is_fp8(tensor_or_dtype) -> bool:
     dtype = getattr(tensor_or_dtype, "dtype", tensor_or_dtype)
     return dtype == FP8_KV_DTYPE

@@ -290,18 +290,22 @@ def test_dummy_fp8_scout_shaped_same_seed_same_tokens(tmp_path):
     assert outs[0] == outs[1] != outs[2]
 
 
+@pytest.mark.parametrize("calibrate", [False, True], ids=["scales-1", "calculated"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_fp8_kv_cache_tokens_match_the_16_bit_cache(copy_model, graphs):
-    """kv_cache_dtype="fp8": e4m3 pages read by FlashInfer with bf16 queries (scales 1.0);
-    the copy model's confident continuations survive the rounding (issue 23: >= 95%)."""
+def test_fp8_kv_cache_tokens_match_the_16_bit_cache(copy_model, graphs, calibrate):
+    """kv_cache_dtype="fp8": e4m3 pages read by FlashInfer with bf16 queries (scales 1.0, or
+    calculate_kv_scales': from the first step, the graphs captured again with them); the copy
+    model's confident continuations survive the rounding (issue 23: >= 95%)."""
     prompts = copy_prompts(LENGTHS, seed=3, vocab=128)
     kwargs = dict(device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
                   max_model_len=512, cuda_graphs=graphs)
     want = chunklocal.LLM(copy_model, **kwargs).generate(prompts, max_new_tokens=NEW,
                                                           ignore_eos=True)
-    llm = chunklocal.LLM(copy_model, kv_cache_dtype="fp8", **kwargs)
+    llm = chunklocal.LLM(copy_model, kv_cache_dtype="fp8", calculate_kv_scales=calibrate,
+                         **kwargs)
     assert llm.model.layers[0].self_attn.k_cache.dtype == FP8
     got = llm.generate(prompts, max_new_tokens=NEW, ignore_eos=True)
+    assert (llm.model.layers[0].self_attn.k_scale != 1.0) == calibrate
     print(f"\nFP8 KV ({'graphs' if graphs else 'eager'}): same tokens as the bf16 cache on "
           f"{same_fraction(got, want):.1%}")
     assert same_fraction(got, want) >= 0.95

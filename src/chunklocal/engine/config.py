@@ -47,6 +47,7 @@ class EngineConfig:
     tokenizer: str | os.PathLike | None = None  # None: the model directory's
     gpu_memory_utilization: float = 0.9
     prefix_caching_hash_algo: str = "builtin"  # or "sha256" (engine/prefix_cache.py)
+    calculate_kv_scales: bool = False  # FP8 KV scales from the first step (kv_quant.py)
 
     def __post_init__(self):
         checked = check_arguments(**{f.name: getattr(self, f.name) for f in fields(self)})

@@ -109,7 +109,8 @@ class LLM(OwnsWorkers):
                  generation_config="auto", max_waiting_requests=None,
                  async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp",
                  enable_prefix_caching=True, kv_cache_dtype="auto", tokenizer=None,
-                 gpu_memory_utilization=0.9, prefix_caching_hash_algo="builtin"):
+                 gpu_memory_utilization=0.9, prefix_caching_hash_algo="builtin",
+                 calculate_kv_scales=False):
         settings = dict(locals())  # every keyword argument: EngineConfig's fields
         del settings["self"], settings["model"]
         self.model_dir = check_model(model)
@@ -178,7 +179,7 @@ class LLM(OwnsWorkers):
             EngineLimits(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                          self.block_size),
             config.num_attention_heads // n, kv_dtype, self.num_speculative_tokens,
-            self.cuda_graphs, seed, chunk, self.graph_recorder)
+            self.cuda_graphs, seed, chunk, self.graph_recorder, cfg.calculate_kv_scales)
         self.memory_budget = None
         if baseline is not None:  # gpu_memory_utilization sizes KV
             with on_device:

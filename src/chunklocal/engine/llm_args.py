@@ -58,7 +58,8 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
                     generation_config, max_waiting_requests, async_scheduling,
                     tensor_parallel_size, moe_parallel, enable_prefix_caching=True,
                     kv_cache_dtype="auto", gpu_memory_utilization=0.9,
-                    prefix_caching_hash_algo="builtin", tokenizer=None) -> dict:
+                    prefix_caching_hash_algo="builtin", tokenizer=None,
+                    calculate_kv_scales=False) -> dict:
     """Every argument but ``model``, checked by itself; returns them normalised (ints as
     int, the device as a torch.device, the dtype as a torch.dtype or None)."""
     out = dict(
@@ -83,8 +84,12 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
         raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {moe_parallel!r}")
     for name, value in (("cuda_graphs", cuda_graphs), ("hybrid_kv_cache", hybrid_kv_cache),
                         ("async_scheduling", async_scheduling),
-                        ("enable_prefix_caching", enable_prefix_caching)):
+                        ("enable_prefix_caching", enable_prefix_caching),
+                        ("calculate_kv_scales", calculate_kv_scales)):
         out[name] = as_bool(value, name)
+    if out["calculate_kv_scales"] and out["kv_cache_dtype"] == "auto":
+        raise ValueError("calculate_kv_scales=True calibrates FP8 KV pages: it needs "
+                         "kv_cache_dtype='fp8', got kv_cache_dtype='auto'")
     if as_int(num_speculative_tokens, "num_speculative_tokens") < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
     out["num_speculative_tokens"] = int(num_speculative_tokens)

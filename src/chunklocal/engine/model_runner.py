@@ -95,12 +95,18 @@ class ModelRunner:
         #: max_num_batched_tokens prompt rows would otherwise hold [tokens, vocab] float32
         #: logits at once (6.6 GB for 8192 of Scout's), beyond what the KV sizing reserved.
         self.capture_rows_per_pass: int | None = None
+        #: calculate_kv_scales: the next step runs eagerly and sets every layer's FP8 KV
+        #: scales from its own K and V before writing them; CUDA graphs, captured with the
+        #: old scales, are captured again.
+        self.kv_calibration_pending = False
+        self._graph_args: tuple = ()
         self.graphs: CudaGraphs | None = None
         self.graph_steps = 0
         if model is not None:  # None: the host half of a tensor-parallel engine
             self._bind_caches(kv_dtype)
 
     def enable_cuda_graphs(self, batch_sizes, query_lens, recorder=None) -> None:
+        self._graph_args = (batch_sizes, query_lens, recorder)
         self.graphs = CudaGraphs(self.model, self.graph_steps_for,
                                  [grp.scratch_page * self.block_size for grp in self.groups],
                                  batch_sizes, query_lens, self.device, recorder)
@@ -205,7 +211,7 @@ class ModelRunner:
         self._count_virtual_batches(inputs)
         tables, slots = self.group_inputs(batch, inputs)
         layout = None
-        if self.graphs is not None:
+        if self.graphs is not None and not self.kv_calibration_pending:
             layout = self.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
         input_ids = to_device(inputs.input_ids, self.device)
         holes = np.flatnonzero(inputs.input_ids < 0) if prev is not None else ()
@@ -233,10 +239,24 @@ class ModelRunner:
         """Hidden states of every token (``slots``, ``input_ids``: on the device)."""
         steps = self.build_steps(inputs.query_start_loc, inputs.seq_lens, tables, slots,
                                  graph_batch_size=layout[0] if layout else None)
+        if self.kv_calibration_pending:  # launch / execute chose no graph for this step
+            return self._calibrating_forward(input_ids, inputs, steps)
         if layout is not None and self.graphs is not None:
             self.graph_steps += 1
             return self.graphs.replay(layout, input_ids, inputs.positions, slots)
         return self.model(input_ids, to_device(inputs.positions, self.device), steps)
+
+    def _calibrating_forward(self, input_ids, inputs: StepInputs, steps):
+        """The first real step with calculate_kv_scales, eager whatever its shape (the
+        engine's first page writes use the new scales), then the graphs again."""
+        layers = [layer.self_attn for layer in self.model.layers]
+        for attn in layers:
+            attn.calibrate_kv = True
+        hidden = self.model(input_ids, to_device(inputs.positions, self.device), steps)
+        self.kv_calibration_pending = False
+        if self.graphs is not None:
+            self.enable_cuda_graphs(*self._graph_args)
+        return hidden
 
     def capture_rows(self, seqs, inputs) -> np.ndarray | None:
         """Token rows whose logits are captured this step (None when none)."""

@@ -46,6 +46,7 @@ class RunnerSetup:
     chunk_size: int | None
     #: Records the CUDA graphs (engine/cuda_graphs.py GraphRecorder); None: torch.cuda's.
     graph_recorder: Any = None
+    calculate_kv_scales: bool = False  # FP8 KV scales from the first real step
 
 
 def pool_sizes(pools, specs) -> tuple[tuple[FullAttentionSpec, int], ...]:
@@ -71,6 +72,7 @@ def build_runner(setup: RunnerSetup, model, device, block_manager=None,
     runner = ModelRunner(model, block_manager, setup.kind_to_group, backends, device,
                          setup.kv_dtype, setup.seed, chunk_size=setup.chunk_size)
     runner.capture_rows_per_pass = setup.limits.max_num_seqs  # as many as the profile held
+    runner.kv_calibration_pending = setup.calculate_kv_scales
     if setup.cuda_graphs and capture_graphs:
         runner.enable_cuda_graphs(backends[0].graph_batch_sizes, backends[0].graph_query_lens,
                                   setup.graph_recorder)
@@ -114,8 +116,8 @@ def profile_run(setup: RunnerSetup, model, device, memory: DeviceMemory,
     made: list[ModelRunner] = []
 
     def first_step():
-        made.append(build_runner(replace(setup, graph_recorder=None), model, device, manager,
-                                 capture_graphs=False))
+        made.append(build_runner(replace(setup, graph_recorder=None, calculate_kv_scales=False),
+                                 model, device, manager, capture_graphs=False))
         made[0].run(batch)
 
     activations = peak_of(memory, first_step) - _kv_bytes(model)

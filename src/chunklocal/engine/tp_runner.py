@@ -77,7 +77,7 @@ def execute(runner: ModelRunner, step: DeviceStep, sample: bool) -> StepResult |
     inputs, dev = step.inputs, runner.device
     slots = [to_device(slot, dev) for slot in step.slots]
     layout = None
-    if runner.graphs is not None:
+    if runner.graphs is not None and not runner.kv_calibration_pending:
         layout = runner.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
     hidden = runner.forward(inputs, step.tables, slots, to_device(inputs.input_ids, dev),
                             layout)

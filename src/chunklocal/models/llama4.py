@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from chunklocal.backends.base import AttentionStep, Kind
-from chunklocal.kv_quant import is_fp8, write_fp8
+from chunklocal.kv_quant import calibrated_scales, is_fp8, write_fp8
 from chunklocal.kv_spec import softmax_scale
 from chunklocal.models.fused import GatedMLPBase, fuse_into
 from chunklocal.models.llama4_config import (  # noqa: F401  (load_text_config: re-exported)
@@ -115,6 +115,7 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         # Dequantization scales of FP8 pages (kv_cache_dtype="fp8"; chunklocal/kv_quant.py).
         self.k_scale, self.v_scale = 1.0, 1.0
+        self.calibrate_kv = False  # set for one step: scales from that step's K and V
 
     def fuse(self) -> bool:
         """q_proj, k_proj and v_proj as one ``qkv_proj`` (models/fused.py)."""
@@ -147,6 +148,9 @@ class Attention(nn.Module):
         flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         if is_fp8(k_cache):  # quantized here, dequantized by the backend
+            if self.calibrate_kv:  # calculate_kv_scales: before the first page is written
+                self.k_scale, self.v_scale = calibrated_scales(k, v)
+                self.calibrate_kv = False
             write_fp8(flat_k, step.slot_mapping, k, self.k_scale)
             write_fp8(flat_v, step.slot_mapping, v, self.v_scale)
             out = step.backend.forward(step.metadata, q, k_cache, v_cache, self.scale,

@@ -36,6 +36,7 @@ LLM_FLAGS = {
     "tensor_parallel_size": "tensor_parallel_size", "moe_parallel": "moe_parallel",
     "kv_cache_dtype": "kv_cache_dtype", "gpu_memory_utilization": "gpu_memory_utilization",
     "prefix_caching_hash_algo": "prefix_caching_hash_algo", "tokenizer": "tokenizer",
+    "calculate_kv_scales": "calculate_kv_scales",
 }
 # Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
 _DEFAULTS_IF_ABSENT = {"load_format": "auto"}
@@ -140,6 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--load-format", default="auto", help="checkpoint format (default auto)")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV pages: the model's dtype (auto) or FP8 e4m3 (default auto)")
+    e.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with --kv-cache-dtype fp8: each layer's K and V scales from the first "
+                   "step's keys and values instead of the checkpoint's (or 1.0)")
     e.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     e.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
                    help="ranks (one worker process each; NCCL on GPUs, gloo on the CPU) "
