@@ -13,6 +13,8 @@ is held back, its logprobs go with the chunk that releases it), and the finish r
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
 from chunklocal.server.protocol import (
@@ -141,6 +143,18 @@ def tool_delta(stream: ToolCallStream, text: str, last: bool, first_call_only: b
     return delta, sum(e.id is not None for e in calls)
 
 
+def choice_json(chat: bool, index: int, delta, finish_reason=None, stop_reason=None) -> str:
+    """A stream choice without logprobs as pydantic writes it (ChatStreamChoice's or
+    CompletionChoice's fields in their order, compact, UTF-8 unescaped), by the json
+    module's C encoder, without building models (tests/test_server_chunks.py holds the bytes
+    equal; the cost per chunk is in BENCHMARKS.md)."""
+    return _encode({"index": index, "delta" if chat else "text": delta, "logprobs": None,
+                    "finish_reason": finish_reason, "stop_reason": stop_reason})
+
+
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 class StreamState:
     """Per-choice progress of a stream: characters and tokens already sent."""
 
@@ -156,16 +170,27 @@ class StreamState:
         self.sent_tokens: dict[int, int] = {}
         self.done: set[int] = set()
         self.latest: dict[int, object] = {}  # prompt index -> latest snapshot (for usage)
+        # Every chunk of a stream has the same id, created and model (OpenAI's): the
+        # envelope is serialised once, and each chunk splices its choices into it.
+        self.created = int(time.time())
+        self._envelopes: dict[bool, tuple[str, str]] = {False: self._envelope(None)}
 
-    def _chunk(self, choices, usage=None) -> str:
+    def _envelope(self, usage) -> tuple[str, str]:
+        """pydantic's JSON of this stream's chunk with no choices, cut where they go."""
         cls = ChatCompletionChunk if self.chat else CompletionResponse
-        body = cls(id=self.rid, model=self.model, choices=choices, usage=usage)
-        return f"data: {body.model_dump_json()}\n\n"
+        body = cls(id=self.rid, model=self.model, choices=[], usage=usage,
+                   created=self.created).model_dump_json()
+        head, mark, rest = body.rpartition('"choices":[]')
+        return f"data: {head}{mark[:-1]}", f"]{rest}\n\n"
+
+    def _chunk(self, choices: list[str], usage=None) -> str:
+        """A chunk of ``choices`` (each one's JSON: :func:`choice_json`)."""
+        head, tail = self._envelopes[False] if usage is None else self._envelope(usage)
+        return head + ",".join(choices) + tail
 
     def role_chunks(self, num_choices: int) -> list[str]:
         """Chat streams open each choice with the assistant role, as OpenAI's do."""
-        return [self._chunk([ChatStreamChoice(index=i, delta={"role": "assistant",
-                                                               "content": ""})])
+        return [self._chunk([choice_json(True, i, {"role": "assistant", "content": ""})])
                 for i in range(num_choices)]
 
     def update(self, prompt_index: int, out) -> list[str]:
@@ -193,18 +218,21 @@ class StreamState:
                 # No text yet (a held-back partial character or stop string): a chat chunk
                 # would have an empty delta; its tokens' logprobs go with the next chunk.
                 continue
-            lp = None
-            if self.k is not None and new_ids:
-                entries = o.logprobs[ntok:len(o.token_ids)]
-                lp = (chat_logprobs(self.tok, new_ids, entries, self.k) if self.chat else
-                      completion_logprobs(self.tok, new_ids, entries, self.k, chars))
-            if self.chat:
-                choice = ChatStreamChoice(index=index, delta=chat_delta, logprobs=lp,
-                                          finish_reason=reason, stop_reason=o.stop_reason)
+            entries = o.logprobs[ntok:len(o.token_ids)] if self.k is not None and new_ids \
+                else None
+            if entries is None:
+                choice = choice_json(self.chat, index, chat_delta if self.chat else delta,
+                                     reason if self.chat else o.finish_reason, o.stop_reason)
+            elif self.chat:  # pydantic serialises the logprobs' models
+                choice = ChatStreamChoice(
+                    index=index, delta=chat_delta,
+                    logprobs=chat_logprobs(self.tok, new_ids, entries, self.k),
+                    finish_reason=reason, stop_reason=o.stop_reason).model_dump_json()
             else:
-                choice = CompletionChoice(index=index, text=delta, logprobs=lp,
-                                          finish_reason=o.finish_reason,
-                                          stop_reason=o.stop_reason)
+                choice = CompletionChoice(
+                    index=index, text=delta,
+                    logprobs=completion_logprobs(self.tok, new_ids, entries, self.k, chars),
+                    finish_reason=o.finish_reason, stop_reason=o.stop_reason).model_dump_json()
             self.sent_chars[index], self.sent_tokens[index] = len(o.text), len(o.token_ids)
             if o.finish_reason is not None:
                 self.done.add(index)
