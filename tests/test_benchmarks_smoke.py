@@ -207,6 +207,20 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
                for r in sweep)
 
 
+def test_stream_chunks_smoke(tmp_path):
+    """The per-chunk timing, this tree against itself as the --before tree."""
+    from benchmarks import stream_chunks
+
+    src = Path(__file__).resolve().parent.parent / "src"
+    assert stream_chunks.main(["--smoke", "--before", str(src), "--out", str(tmp_path)]) == 0
+    rows = _load(tmp_path / "stream_chunks_smoke.json")["rows"]
+    assert [(r["stream"], r["tree"]) for r in rows] == [
+        (s, t) for s in ("chat", "completion") for t in ("before", "this tree")]
+    assert all(r["us_per_chunk_min"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="no chunklocal/server/responses.py"):
+        stream_chunks.main(["--smoke", "--before", str(tmp_path), "--out", str(tmp_path)])
+
+
 def test_fp8_small_m_engine_variants_set_and_restore_their_switches():
     from benchmarks import fp8_small_m
     from chunklocal.models import fused, moe_triton, quant_triton
