@@ -16,6 +16,7 @@ every rank runs :meth:`forward` on the same inputs; rank 0 samples with its
 
 from __future__ import annotations
 
+import gc
 from collections import deque
 from dataclasses import dataclass
 from itertools import chain
@@ -254,7 +255,9 @@ class ModelRunner:
             attn.calibrate_kv = True
         hidden = self.model(input_ids, to_device(inputs.positions, self.device), steps)
         self.kv_calibration_pending = False
-        if self.graphs is not None:
+        if self.graphs is not None:  # the old graphs' pool goes before the new one is made
+            self.graphs = None
+            gc.collect()
             self.enable_cuda_graphs(*self._graph_args)
         return hidden
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from chunklocal.models.quant import Fp8Linear
+from chunklocal.models.quant import FP8, Fp8Linear
 
 #: Fuse at load (``models.loader.load_model``); False keeps the checkpoint's modules (A/B).
 FUSE_PROJECTIONS = True
@@ -43,7 +43,9 @@ def concat_linears(parts: Sequence[nn.Module]) -> nn.Module:
             or len({p.bias is None for p in linears}) != 1:
         raise ValueError("fused projections need the same input features and all or no bias")
     first, out_features = linears[0], sum(p.out_features for p in linears)
-    weight = torch.cat([p.weight.data for p in linears])
+    # FP8 weights are concatenated as bytes: a copy any device's cat does for uint8
+    weight = torch.cat([p.weight.data.view(torch.uint8) if p.weight.dtype == FP8
+                        else p.weight.data for p in linears]).view(first.weight.dtype)
     biases = [p.bias.data for p in linears if p.bias is not None]
     bias = torch.cat(biases) if biases else None
     fused: nn.Module
