@@ -64,6 +64,28 @@ def test_float32_two_ranks_equal_one(trained):
                 assert rel_err(got, exp) <= 1e-4, (moe, i)
 
 
+def test_two_ranks_size_their_pools_by_gpu_memory_utilization(trained):
+    """Each rank takes its baseline, loads its slices and profiles the largest step with its
+    peer (engine/workers.py); the pools follow the rank with the least room and every GPU
+    stays under the fraction of its total memory."""
+    u = 0.2
+    torch.cuda.empty_cache()
+    used_before = [torch.cuda.mem_get_info(r)[1] - torch.cuda.mem_get_info(r)[0]
+                   for r in range(2)]
+    with chunklocal.LLM(trained, device="cuda", tensor_parallel_size=2, max_num_seqs=8,
+                        max_num_batched_tokens=512, max_model_len=1 << 16,
+                        gpu_memory_utilization=u) as llm:
+        budget = llm.memory_budget
+        assert budget is not None and budget.weights > 0 and budget.activations > 0
+        assert llm.kv_pools.total_bytes <= budget.requested - budget.weights - budget.reserved
+        prompts = copy_prompts(LENGTHS, seed=2, vocab=128)
+        assert len(llm.generate(prompts, 8, ignore_eos=True)) == len(prompts)
+        for rank in range(2):  # what each device gained, the workers' processes included
+            free, total = torch.cuda.mem_get_info(rank)
+            grown = total - free - used_before[rank]
+            assert grown <= u * total + (512 << 20), (rank, grown / 2**30)
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("moe", ["tp", "ep"])
 def test_bf16_two_ranks_match_one(trained, graphs, moe):
