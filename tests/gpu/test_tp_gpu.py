@@ -83,7 +83,7 @@ def test_two_ranks_size_their_pools_by_gpu_memory_utilization(trained):
         for rank in range(2):  # what each device gained, the workers' processes included
             free, total = torch.cuda.mem_get_info(rank)
             grown = total - free - used_before[rank]
-            assert grown <= u * total + (512 << 20), (rank, grown / 2**30)
+            assert grown <= u * total + (1 << 30), (rank, grown / 2**30)  # CUDA + NCCL
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
