@@ -71,6 +71,17 @@ def test_parts_that_cannot_share_a_gemm_are_refused():
         fused.concat_linears([cross_rank, fp8_linear_module(8, 16, 1)])
 
 
+def test_parts_of_different_kinds_stay_apart_and_fusing_twice_changes_nothing():
+    """A checkpoint that quantizes q_proj but not k_proj / v_proj loads unfused (no error);
+    a second fuse() of a fused module does nothing."""
+    torch.manual_seed(0)
+    mlp = SharedExpert(16, 24, nn.SiLU())
+    mlp.gate_proj = fp8_linear_module(24, 16, 3)
+    assert not mlp.fuse() and mlp.gate_up_proj is None and hasattr(mlp, "up_proj")
+    mlp = SharedExpert(16, 24, nn.SiLU())
+    assert mlp.fuse() and not mlp.fuse()
+
+
 def test_a_shared_expert_fuses_in_place():
     torch.manual_seed(0)
     mlp = SharedExpert(16, 24, nn.SiLU())

@@ -68,12 +68,18 @@ def concat_linears(parts: Sequence[nn.Module]) -> nn.Module:
     return fused
 
 
-def fuse_into(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> list[int]:
+def fuse_into(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> list[int] | None:
     """Replace ``owner``'s modules ``names`` by one ``fused_name``; returns the split
-    sizes (output features of each part, in order)."""
+    sizes (output features of each part, in order), or None, changing nothing, where the
+    parts cannot share a GEMM (a checkpoint that quantizes some of them and not the others
+    keeps them apart)."""
     parts = [getattr(owner, n) for n in names]
     sizes = [p.out_features for p in parts]
-    setattr(owner, fused_name, concat_linears(parts))
+    try:
+        fused = concat_linears(parts)
+    except ValueError:
+        return None
+    setattr(owner, fused_name, fused)
     for n in names:
         delattr(owner, n)
     return sizes
@@ -108,8 +114,9 @@ class GatedMLPBase(nn.Module):
         self.gate_up_proj: nn.Module | None = None  # set by fuse()
 
     def fuse(self) -> bool:
-        fuse_into(self, ("gate_proj", "up_proj"), "gate_up_proj")
-        return True
+        if self.gate_up_proj is not None:  # fused already
+            return False
+        return fuse_into(self, ("gate_proj", "up_proj"), "gate_up_proj") is not None
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """``act(gate(x)) * up(x)``: the down projection's input."""

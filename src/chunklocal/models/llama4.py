@@ -119,8 +119,11 @@ class Attention(nn.Module):
 
     def fuse(self) -> bool:
         """q_proj, k_proj and v_proj as one ``qkv_proj`` (models/fused.py)."""
-        self.qkv_sizes = fuse_into(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        return True
+        if self.qkv_proj is not None:  # fused already
+            return False
+        sizes = fuse_into(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        self.qkv_sizes = sizes or []
+        return sizes is not None
 
     def forward(self, x, positions, freqs_cis, step: AttentionStep):
         t = x.shape[0]
