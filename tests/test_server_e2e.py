@@ -77,9 +77,12 @@ class Server:
         self.log.close()
 
 
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
-    s = Server(ckpt, tmp_path_factory.mktemp("logs"))
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def server(ckpt, tmp_path_factory, request):
+    """The server with its engine core in a thread, and in a process of its own
+    (``--engine-process``): every test below holds for both."""
+    args = ["--engine-process"] if request.param == "engine-process" else []
+    s = Server(ckpt, tmp_path_factory.mktemp("logs"), args)
     yield s
     s.stop()
 
@@ -312,11 +315,13 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def test_api_key_queue_limit_and_sigterm(ckpt, tmp_path):
+@pytest.mark.parametrize("engine", [[], ["--engine-process"]],
+                         ids=["engine-thread", "engine-process"])
+def test_api_key_queue_limit_and_sigterm(ckpt, tmp_path, engine):
     # max_model_len 1024 here: a 1000-token request runs long enough to be seen running.
     env = dict(os.environ, CHUNKLOCAL_API_KEY="sekret-key")
     s = Server(ckpt, tmp_path, ["--max-model-len", "1024", "--max-num-seqs", "1",
-                                "--max-waiting-requests", "1"], env=env)
+                                "--max-waiting-requests", "1", *engine], env=env)
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client(api_key="wrong").models.list()
@@ -352,7 +357,13 @@ def test_api_key_queue_limit_and_sigterm(ckpt, tmp_path):
         children = _children(s.proc.pid)
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 0
-        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+        deadline = time.monotonic() + 10  # children exit once the server has (the
+        while time.monotonic() < deadline:  # engine process's resource tracker follows it)
+            left = [pid for pid in children if _alive(pid)]
+            if not left:
+                break
+            time.sleep(0.1)
+        assert not left
         running.join(30)
         waiting.join(30)
         for name in ("running", "waiting"):
@@ -364,6 +375,15 @@ def test_api_key_queue_limit_and_sigterm(ckpt, tmp_path):
             httpx.get(f"{s.url}/health", timeout=2)
     finally:
         s.stop()
+
+
+def _alive(pid: int) -> bool:
+    """A process that has not exited (a zombie has: its state is Z)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_load_test_script_against_the_server(server, tmp_path):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from chunklocal.engine.detokenize import IncrementalDetokenizer
 from chunklocal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -127,23 +127,43 @@ class Request:
                              self.samples[0].seq.num_cached_tokens if self.samples else None)
 
 
+class Published(Protocol):
+    """What a stream reads of its request: a :class:`Request` of this process's engine
+    core, or an engine process's request as its deltas built it (engine/core_process.py)."""
+
+    request_id: str
+    error: BaseException | None
+
+    @property
+    def finished(self) -> bool: ...
+
+    def snapshot(self) -> RequestOutput: ...
+
+
 class RequestStream:
     """Iterate (blocking, any thread) or ``async for`` over ``aiter()`` to get cumulative
     ``RequestOutput`` snapshots; the last has ``finished=True``.  If the engine failed the
     request (a step raised), iteration raises that error.  Leaving an ``aiter()`` loop
     before the end (a client gone) aborts the request."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Published):
         self._request = request
         self.request_id = request.request_id
         self._cond = threading.Condition()
         self._version = 0
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._abort: Callable[[bool], None] | None = None  # bind_abort()
+        #: Called by publish() with the lock held (engine/core_process.py's forwarder).
+        self.listener: Callable[[RequestStream], None] | None = None
         self._done = threading.Event()  # set after the final publish (result() waits here)
         self._sync_readers = 0  # threads inside __iter__'s wait (skip notify_all without)
 
     # -- writer side (the engine core) ------------------------------------------------------
+    @property
+    def request(self) -> Published:
+        """The request whose state this stream publishes (the engine's writers only)."""
+        return self._request
+
     @property
     def lock(self) -> threading.Condition:
         """Held by the engine while it changes the request's state and publishes it; the
@@ -159,6 +179,8 @@ class RequestStream:
         """Call with :attr:`lock` held, after changing the request's state; asyncio readers
         are woken now, or by ``wakeups.send()`` (the step's publish sends once)."""
         self._version += 1
+        if self.listener is not None:  # an engine process's forwarder (core_process.py)
+            self.listener(self)
         if self._request.finished or self._request.error is not None:
             self._done.set()
         if self._sync_readers:

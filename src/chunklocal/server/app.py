@@ -74,7 +74,9 @@ class ServerState:
         llm = getattr(core, "llm", None)
         self.vocab_size = getattr(core, "vocab_size", None) or getattr(
             getattr(llm, "config", None), "vocab_size", None)
-        self.default_max_tokens = getattr(llm, "default_sampling", {}).get("max_tokens")
+        defaults = getattr(core, "default_sampling", None)  # an engine process's
+        self.default_max_tokens = (defaults if defaults is not None else
+                                   getattr(llm, "default_sampling", {})).get("max_tokens")
         # The event loop decodes logprob tokens while the tokenize threads encode: a fast
         # tokenizer must not be shared by two threads, so the loop gets its own copy.
         self.decode_tokenizer = copy.deepcopy(core.tokenizer)
@@ -186,7 +188,7 @@ def build_app(state: ServerState) -> FastAPI:
         first_call_only = chat and req.parallel_tool_calls is False
         kwargs = [params.sampling_kwargs(req, top, len(ids), core.max_model_len,
                                          state.default_max_tokens) for _, ids in prompt_list]
-        streams = generate.submit(core, prompt_list, kwargs, rid)
+        streams = await generate.submit_async(core, prompt_list, kwargs, rid)
         tok = responses.TokenText(state.decode_tokenizer)
         observe = state.metrics.observe
         if req.stream:
@@ -271,7 +273,10 @@ def build_app(state: ServerState) -> FastAPI:
     if os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip() not in ("", "0"):  # as vLLM
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache():  # vLLM's dev route: 200 either way, a warning if not
-            if not state.ready_core().llm.reset_prefix_cache():
+            core = state.ready_core()  # an engine process's core has its own; else the LLM's
+            reset = core.reset_prefix_cache if hasattr(core, "reset_prefix_cache") \
+                else core.llm.reset_prefix_cache
+            if not reset():
                 log.warning("reset_prefix_cache: requests still hold KV blocks; nothing reset")
             return Response(status_code=200)
 

@@ -38,8 +38,6 @@ LLM_FLAGS = {
     "prefix_caching_hash_algo": "prefix_caching_hash_algo", "tokenizer": "tokenizer",
     "calculate_kv_scales": "calculate_kv_scales",
 }
-# Flags of LLM arguments that this build's LLM may not have yet: their defaults must stay.
-_DEFAULTS_IF_ABSENT = {"load_format": "auto"}
 
 log = logging.getLogger("chunklocal.server")
 
@@ -104,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="format of the model's tool calls (llama4_pythonic for Llama-4)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access-log line per request")
+    g.add_argument("--engine-process", action="store_true",
+                   help="run the engine core in a process of its own (HTTP and engine no "
+                   "longer share a GIL; docs/engine-process.md)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="default info")
@@ -191,15 +192,8 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
         check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)
     except ValueError as err:
         parser.error(str(err))
-    accepted = inspect.signature(_llm_class().__init__).parameters
-    for name, default in _DEFAULTS_IF_ABSENT.items():
-        if name not in accepted and getattr(args, LLM_FLAGS[name]) != default:
-            flag = "--" + name.replace("_", "-")
-            parser.error(f"{flag} needs an LLM with {name}; this build has none")
-    try:
-        from chunklocal.models.loader import LOAD_FORMATS
-    except ImportError:  # an engine without the checkpoint loader's formats
-        LOAD_FORMATS = ("auto",)  # noqa: N806
+    from chunklocal.models.loader import LOAD_FORMATS
+
     if args.load_format not in LOAD_FORMATS:
         parser.error(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got "
                      f"{args.load_format!r}")
@@ -245,6 +239,10 @@ def llm_kwargs(args) -> dict:
 
 def make_core(args):
     """Load the checkpoint and start its engine core (the slow part)."""
+    if getattr(args, "engine_process", False):
+        from chunklocal.engine.core_process import ProcessCore
+
+        return ProcessCore(args.model, llm_kwargs(args), args.max_logprobs)
     llm = _llm_class()(args.model, **llm_kwargs(args))
     core = llm.core
     _ = core.tokenizer  # a bad tokenizer fails here, before the port opens

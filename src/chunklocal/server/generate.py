@@ -53,6 +53,34 @@ def check_room(core, kwargs_per_prompt) -> None:
 
 def submit(core, prompts, kwargs_per_prompt, request_id: str):
     """RequestStreams, one per (text, ids) prompt, or APIError with nothing left queued."""
+    items = _checked(core, prompts, kwargs_per_prompt)
+    streams: list = []
+    with _refusals(core, streams):
+        if len(items) > 1 and hasattr(core, "make_request"):
+            # All prompts checked, then queued together (or none: a full queue refuses all).
+            reqs = [core.make_request(ids, p, f"{request_id}-{i}", text)
+                    for i, ((text, ids), p) in items]
+            return core.submit(reqs, check_queue=True)
+        for i, ((text, ids), p) in items:
+            streams.append(core.add_request(ids, p, request_id=f"{request_id}-{i}", prompt=text))
+    return streams
+
+
+async def submit_async(core, prompts, kwargs_per_prompt, request_id: str):
+    """``submit``; an engine in another process (engine/core_process.py) is awaited, so
+    the event loop streams on while it checks and queues the prompts."""
+    if not hasattr(core, "submit_async"):
+        return submit(core, prompts, kwargs_per_prompt, request_id)
+    items = _checked(core, prompts, kwargs_per_prompt)
+    with _refusals(core, []):
+        specs = [core.make_request(ids, p, f"{request_id}-{i}", text)
+                 for i, ((text, ids), p) in items]
+        return await core.submit_async(specs, check_queue=True)
+
+
+def _checked(core, prompts, kwargs_per_prompt):
+    """(index, ((text, ids), SamplingParams)) per prompt, every one built (so checked) before
+    any reaches the engine; APIError naming the field otherwise."""
     check_room(core, kwargs_per_prompt)
     cls = sampling_params_class()
     params = []
@@ -62,16 +90,14 @@ def submit(core, prompts, kwargs_per_prompt, request_id: str):
         except (ValueError, TypeError) as err:
             where = f"prompt {i}: " if len(kwargs_per_prompt) > 1 else ""
             raise APIError(f"{where}{err}", param=_param_named_in(str(err), kwargs)) from err
-    streams = []
+    return list(enumerate(zip(prompts, params, strict=True)))
+
+
+@contextlib.contextmanager
+def _refusals(core, streams):
+    """The engine's refusals as APIErrors, after aborting ``streams`` already queued."""
     try:
-        items = list(enumerate(zip(prompts, params, strict=True)))
-        if len(items) > 1 and hasattr(core, "make_request"):
-            # All prompts checked, then queued together (or none: a full queue refuses all).
-            reqs = [core.make_request(ids, p, f"{request_id}-{i}", text)
-                    for i, ((text, ids), p) in items]
-            return core.submit(reqs, check_queue=True)
-        for i, ((text, ids), p) in items:
-            streams.append(core.add_request(ids, p, request_id=f"{request_id}-{i}", prompt=text))
+        yield
     except BaseException as err:
         for s in streams:
             s.abort()
@@ -84,7 +110,6 @@ def submit(core, prompts, kwargs_per_prompt, request_id: str):
             raise APIError("the server is shutting down", status=503,
                            code="shutting_down") from err
         raise
-    return streams
 
 
 def _field_in(message: str) -> str:
