@@ -3,6 +3,8 @@ server's requests on its engine core, and forwards what the core publishes as de
 
 from __future__ import annotations
 
+import logging
+import signal
 import threading
 from typing import cast
 
@@ -81,7 +83,11 @@ class _Forwarder(threading.Thread):
         return req.request_id, samples, req.finished, error, req.metrics(), cached
 
 
-def child_main(conn, model, llm_kwargs: dict, max_logprobs: int) -> None:
+def child_main(conn, model, llm_kwargs: dict, max_logprobs: int, log_level: int) -> None:
+    # The server stops this process (Ctrl-C reaches the whole process group: the server
+    # decides); its log lines (the KV pool's start-up line) go where the server's go.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     send_lock = threading.Lock()
 
     def send(msg):
@@ -101,6 +107,7 @@ def child_main(conn, model, llm_kwargs: dict, max_logprobs: int) -> None:
     forwarder = _Forwarder(core, send)
     forwarder.start()
     send(("ready", dict(max_model_len=core.max_model_len, model_name=core.model_name,
+                        device=str(llm.device),
                         vocab_size=llm.config.vocab_size, max_logprobs=core.max_logprobs,
                         default_sampling=dict(llm.default_sampling),
                         max_waiting_requests=core.max_waiting_requests, stats=core.stats())))

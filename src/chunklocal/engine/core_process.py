@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import logging
 import multiprocessing
 import threading
 import time
@@ -83,7 +84,8 @@ class ProcessCore:
         ctx = multiprocessing.get_context("spawn")  # CUDA, and no inherited threads
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=child_main, name="chunklocal-engine", daemon=True,
-                                 args=(child, model, llm_kwargs, max_logprobs))
+                                 args=(child, model, llm_kwargs, max_logprobs,
+                                       logging.getLogger().getEffectiveLevel()))
         self._proc.start()
         child.close()
         self._send_lock = threading.Lock()
@@ -99,6 +101,7 @@ class ProcessCore:
             raise msg[1]
         info = msg[1]
         self.max_model_len, self.model_name = info["max_model_len"], info["model_name"]
+        self.device = info["device"]
         self.vocab_size, self.default_sampling = info["vocab_size"], info["default_sampling"]
         self.max_logprobs, self.max_waiting_requests = info["max_logprobs"], \
             info["max_waiting_requests"]

@@ -334,7 +334,8 @@ def main(args) -> int:
 
 
 def llm_device(core) -> str:
-    return str(getattr(getattr(core, "owner", None), "device", "?"))
+    owner = getattr(core, "owner", None)  # an engine process's core knows its device
+    return str(getattr(owner, "device", None) or getattr(core, "device", "?"))
 
 
 run_serve = main
