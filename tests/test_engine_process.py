@@ -118,3 +118,32 @@ def test_a_bad_checkpoint_is_refused_at_start(tmp_path):
     write_tiny_llama4(tmp_path)
     with pytest.raises(ValueError, match="max_model_len 99999 exceeds"):
         ProcessCore(tmp_path, dict(KW, max_model_len=99999), timeout=300)
+
+
+def test_tensor_parallel_ranks_inside_the_engine_process(ckpt, offline):
+    """The engine process starts its own rank processes (it is no daemon)."""
+    core = ProcessCore(ckpt, dict(KW, tensor_parallel_size=2), timeout=300)
+    try:
+        p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        got = [s.result().outputs[0].token_ids for s in submit(core, PROMPTS, p, "tp")]
+        assert got == [o.outputs[0].token_ids for o in offline.generate(PROMPTS, p)]
+    finally:
+        core.shutdown()
+
+
+def test_a_program_that_never_shuts_it_down_still_exits(ckpt, tmp_path):
+    """multiprocessing joins a non-daemon child at exit: ProcessCore stops it first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "from chunklocal.engine.core_process import ProcessCore\n"
+        "if __name__ == '__main__':\n"
+        f"    core = ProcessCore({str(ckpt)!r}, {KW!r}, timeout=300)\n"
+        "    print('started', flush=True)\n")
+    src = Path(__file__).resolve().parent.parent / "src"
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=240, env={**os.environ, "PYTHONPATH": str(src)})
+    assert run.returncode == 0 and "started" in run.stdout, run.stderr[-2000:]

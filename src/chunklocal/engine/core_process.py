@@ -21,6 +21,7 @@ process builds the ``LLM`` and runs its :class:`~chunklocal.engine.core.EngineCo
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import itertools
 import logging
@@ -28,6 +29,7 @@ import multiprocessing
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from typing import cast
 
@@ -38,6 +40,12 @@ from chunklocal.engine.stream import RequestStream, Wakeups
 
 class EngineProcessError(RuntimeError):
     """The engine process died or could not start."""
+
+
+def _shutdown_at_exit(core_ref) -> None:
+    core = core_ref()
+    if core is not None:
+        core.shutdown()
 
 
 class _RemoteRequest:
@@ -83,7 +91,9 @@ class ProcessCore:
 
         ctx = multiprocessing.get_context("spawn")  # CUDA, and no inherited threads
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=child_main, name="chunklocal-engine", daemon=True,
+        # Not a daemon: its tensor-parallel ranks are its children.  It ends when asked, or
+        # when this process's end of the pipe closes (this process gone).
+        self._proc = ctx.Process(target=child_main, name="chunklocal-engine", daemon=False,
                                  args=(child, model, llm_kwargs, max_logprobs,
                                        logging.getLogger().getEffectiveLevel()))
         self._proc.start()
@@ -113,6 +123,9 @@ class ProcessCore:
         self._reader = threading.Thread(target=self._read, name="chunklocal-engine-reader",
                                         daemon=True)
         self._reader.start()
+        # multiprocessing joins a non-daemon child at exit: stop it first (atexit runs the
+        # hooks registered last first)
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     def _first_message(self, timeout):
         if not self._conn.poll(timeout):
