@@ -37,6 +37,19 @@ def ckpt(tmp_path_factory):
     return path, write_tiny_llama4(path, seed=0)
 
 
+@pytest.fixture(scope="session")
+def served_ckpt(tmp_path_factory):
+    """A tiny Llama-4 (vocabulary 384) with the tiny byte-level tokenizer and its chat
+    template: what a server serves.  One per session, read-only (copy it to change it)."""
+    from llama4_tiny import write_tiny_llama4
+    from tiny_tokenizer import write_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("served_ckpt")
+    write_tiny_llama4(path, vocab_size=384)
+    write_tiny_tokenizer(path, vocab_size=384)
+    return path
+
+
 @pytest.fixture
 def hold_steps():
     """``gate, entered = hold_steps(llm)``: from then on every engine step (``llm.runner.run``)

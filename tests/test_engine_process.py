@@ -12,7 +12,6 @@ import signal
 
 import pytest
 from llama4_tiny import write_tiny_llama4
-from tiny_tokenizer import write_tiny_tokenizer
 
 import chunklocal
 from chunklocal.engine.core import QueueFullError
@@ -24,11 +23,8 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("engine_process")
-    write_tiny_llama4(path, vocab_size=384)
-    write_tiny_tokenizer(path, vocab_size=384)
-    return path
+def ckpt(served_ckpt):
+    return served_ckpt
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,6 @@ import pytest
 import torch
 
 openai = pytest.importorskip("openai")
-from llama4_tiny import write_tiny_llama4  # noqa: E402
-from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 import chunklocal  # noqa: E402
 from benchmarks.serve import free_port, launch_server, wait_healthy  # noqa: E402
@@ -38,11 +36,8 @@ WORDS = ("the quick brown fox jumps over the lazy dog chunked local attention se
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve_ckpt")
-    write_tiny_llama4(path, vocab_size=384)
-    write_tiny_tokenizer(path, vocab_size=384)
-    return path
+def ckpt(served_ckpt):
+    return served_ckpt
 
 
 class Server:
