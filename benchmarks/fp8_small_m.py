@@ -169,7 +169,7 @@ def sweep_rows(device, copy_rate, ms, smoke) -> list[dict]:
                      for bn, sk in configs}
             row = cell(name, m, touched * n * k + m * (k + n) * 2, paths, device, copy_rate)
             row["split_k_auto"] = moe_triton.split_k_for(
-                m, e, n, k, 64, 256, moe_triton._sm_count(device))
+                m, e, n, k, 64, 256, moe_triton.device_sm_count(device))
             rows.append(row)
     return rows
 

@@ -22,7 +22,6 @@ def _portable(err: BaseException) -> BaseException:
         return RuntimeError(f"{type(err).__name__}: {err}")
 
 
-
 class _Forwarder(threading.Thread):
     """Sends the requests the engine published since the last wake-up, as deltas."""
 

@@ -84,7 +84,7 @@ class _RemoteRequest:
 class ProcessCore:
     """The engine core's client API (``add_request``, ``make_request`` + ``submit``,
     ``abort``, ``stats``, ``shutdown``) for an engine in a child process; the tokenizer is
-    loaded again here.  ``start`` returns once the child has loaded the model."""
+    loaded again here.  Construction returns once the child has loaded the model."""
 
     def __init__(self, model, llm_kwargs: dict, max_logprobs: int = 20, timeout=None):
         from chunklocal.engine.requests import load_tokenizer
@@ -164,7 +164,7 @@ class ProcessCore:
             raise
         return streams
 
-    def add_request(self, prompt_token_ids, params, request_id=None, prompt=None, **kw):
+    def add_request(self, prompt_token_ids, params, request_id=None, prompt=None):
         return self.submit([self.make_request(prompt_token_ids, params, request_id, prompt)],
                            check_queue=True)[0]
 

@@ -121,10 +121,15 @@ if triton is not None:
             tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
+#: Programs per SM that split-K aims for: each streams its own slab, so a step of one row
+#: keeps every SM loading (a program alone per SM was the old kernel's 0.3-0.9 TB/s).
+PROGRAMS_PER_SM = 4
+
+
 _SM_COUNTS: dict[torch.device, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def device_sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs per split are enough
     if device not in _SM_COUNTS:
@@ -139,11 +144,6 @@ def split_k_for(num_rows: int, num_experts: int, n_dim: int, k_dim: int, block_n
     ``num_rows``), and no slice thinner than ``block_k``."""
     tiles = cdiv(n_dim, block_n) * max(1, min(num_experts, num_rows))
     return max(1, min(cdiv(PROGRAMS_PER_SM * sm_count, tiles), cdiv(k_dim, block_k)))
-
-
-#: Programs per SM that split-K aims for: each streams its own slab, so a step of one row
-#: keeps every SM loading (a program alone per SM was the old kernel's 0.3-0.9 TB/s).
-PROGRAMS_PER_SM = 4
 
 
 def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -171,7 +171,7 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
         raise ValueError(f"offs=None means one group, got {num_experts} experts")
     if split_k is None:
         split_k = split_k_for(num_rows, num_experts, n_dim, k_dim, block_n, block_k,
-                              _sm_count(x.device))
+                              device_sm_count(x.device))
     k_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k  # whole K blocks
     split_k = triton.cdiv(k_dim, k_split)
     xq, x_scale = quantize_rows(x, scale_ub)
