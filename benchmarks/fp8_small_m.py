@@ -146,15 +146,15 @@ def cell(name, m, nbytes, paths, device, copy_rate) -> dict:
 SWEEP = [(bn, sk) for bn in (32, 64, 128) for sk in (None, 1, 2, 4, 8, 16)]
 
 
-def sweep_rows(device, copy_rate, ms, smoke) -> list[dict]:
+def sweep_rows(rows, device, copy_rate, ms, smoke, save) -> None:
     """The split-K kernel at each SWEEP configuration, Scout's four shapes, ``ms`` rows
-    (spread round-robin over the experts): the table its defaults are chosen from."""
+    (spread round-robin over the experts), appended to ``rows`` and saved one by one (a
+    time limit keeps what was measured): the table its defaults are chosen from."""
     from chunklocal.models import moe_triton
 
     shapes = {f"dense {k}": (1, *v) for k, v in DENSE.items()}
     shapes |= {f"experts {k}": v for k, v in GROUPED.items()}
     configs = SWEEP[:2] if smoke else SWEEP
-    rows = []
     for name, (e, n, k) in shapes.items():
         n, k = (n // 64, k // 64) if smoke else (n, k)
         w, s = weights(e, n, k, device)
@@ -171,7 +171,7 @@ def sweep_rows(device, copy_rate, ms, smoke) -> list[dict]:
             row["split_k_auto"] = moe_triton.split_k_for(
                 m, e, n, k, 64, 256, moe_triton.device_sm_count(device))
             rows.append(row)
-    return rows
+            save()
 
 
 #: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel).
@@ -257,8 +257,8 @@ def main(argv=None) -> int:
                                      args.smoke)
     save()
     if args.sweep and moe_triton_available(device):
-        payload["sweep"] = sweep_rows(device, copy_rate, args.sweep, args.smoke)
-        save()
+        payload["sweep"] = []
+        sweep_rows(payload["sweep"], device, copy_rate, args.sweep, args.smoke, save)
     if device.type == "cuda" and args.engine_batches:
         from benchmarks.common import measure_matmul_flops
 
