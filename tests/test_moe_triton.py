@@ -77,8 +77,7 @@ FP8_SCRIPT = textwrap.dedent("""
     from chunklocal.models.moe import expert_mm
     from chunklocal.models.quant import FP8, dequantize, fp8_linear, quantize_per_token
 
-    assert not moe_triton.FP8_ENABLED  # off by default (CHUNKLOCAL_FP8_TRITON=1 turns it on)
-    moe_triton.FP8_ENABLED = True
+    assert moe_triton.FP8_ENABLED  # on by default (CHUNKLOCAL_FP8_TRITON=0 turns it off)
     gen = torch.Generator().manual_seed(0)
     e, n, k = 5, 48, 96
     w = (torch.randn(e, n, k, generator=gen) * 0.5).to(FP8)
@@ -144,10 +143,12 @@ def test_fp8_triton_kernel_in_interpreter():
 
 QUANT_SCRIPT = textwrap.dedent("""
     import torch
-    from chunklocal.models import quant_triton
+    from chunklocal.models import moe_triton, quant_triton
     from chunklocal.models.quant import FP8, fp8_linear, quantize_per_token
 
-    assert not quant_triton.QUANT_ENABLED  # off by default
+    assert quant_triton.QUANT_ENABLED  # on by default (CHUNKLOCAL_FP8_QUANT_TRITON=0: off)
+    quant_triton.QUANT_ENABLED = False
+    moe_triton.FP8_ENABLED = False  # fp8_linear on torch's GEMM, whose quantization this is
     gen = torch.Generator().manual_seed(1)
     m, k = 9, 100  # K not a power of two: the last load of a row is masked
     # Rows whose quantization is exact (see FP8_SCRIPT), of different binades; an all-zero

@@ -3,7 +3,7 @@ and scales as torch's chain of kernels (``quant.quantize_per_token`` with the sw
 random bf16 rows of very different magnitudes, eagerly and replayed in a CUDA graph with new
 rows, and the same FP8 GEMM output through ``quant.fp8_linear`` (the CPU interpreter test,
 tests/test_moe_triton.py, can only use rows whose quantization is exact).  The engine's
-tokens with it on: ``CHUNKLOCAL_FP8_QUANT_TRITON=1 pytest tests/gpu/test_fp8_gpu.py``."""
+tokens with it (on by default): ``pytest tests/gpu/test_fp8_gpu.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from chunklocal.models import quant_triton  # noqa: E402
+from chunklocal.models import moe_triton, quant_triton  # noqa: E402
 from chunklocal.models.quant import FP8, fp8_linear, quantize_per_token  # noqa: E402
 
 
@@ -59,6 +59,7 @@ def test_fp8_linear_gives_the_same_output_through_the_kernel(monkeypatch):
     w = (torch.randn(384, 5120, generator=gen) * 8).to(FP8).cuda()
     w_scale = (torch.rand(384, generator=gen) * 1e-3 + 1e-4).cuda()
     x = rows(5, 5120, seed=5)
+    monkeypatch.setattr(moe_triton, "FP8_ENABLED", False)  # torch's GEMM, both times
     monkeypatch.setattr(quant_triton, "QUANT_ENABLED", False)
     want = fp8_linear(x, w, w_scale)
     monkeypatch.setattr(quant_triton, "QUANT_ENABLED", True)

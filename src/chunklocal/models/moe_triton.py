@@ -31,10 +31,12 @@ from chunklocal.models.quant_triton import available, quantize_rows, triton
 if triton is not None:
     import triton.language as tl
 
-#: The FP8 kernel's switch, read at import: ``CHUNKLOCAL_FP8_TRITON=1`` turns it on.  Off
-#: (the default until it has run and been measured on a GPU: docs/gpu-runbook.md), FP8
-#: layers of every size go through torch's ``_scaled_mm`` / ``_scaled_grouped_mm``.
-FP8_ENABLED = __import__("os").environ.get("CHUNKLOCAL_FP8_TRITON", "0") == "1"
+#: The FP8 kernel's switch, read at import; ``CHUNKLOCAL_FP8_TRITON=0`` turns it off (FP8
+#: layers of every size then go through torch's ``_scaled_mm`` / ``_scaled_grouped_mm``).
+#: On since the H200 run of 2026-12-02 (BENCHMARKS.md): routed experts at 16-256 rows at
+#: 89-102% of the copy rate against torch's 54-61%, dense layers of 1-16 rows at 45-55%
+#: against 20-24%; full-size Scout FP8 decode at batch 64 49.3 ms against 61.1 ms.
+FP8_ENABLED = __import__("os").environ.get("CHUNKLOCAL_FP8_TRITON", "1") == "1"
 
 #: Rows per pass over a weight slab.  16 keeps Triton on Hopper's mma.sync path, whose FP8
 #: partial sums are float32; a 64-row tile takes the wgmma path, whose FP8 partial sums are
@@ -122,8 +124,10 @@ if triton is not None:
 
 
 #: Programs per SM that split-K aims for: each streams its own slab, so a step of one row
-#: keeps every SM loading (a program alone per SM was the old kernel's 0.3-0.9 TB/s).
-PROGRAMS_PER_SM = 4
+#: keeps every SM loading (a program alone per SM was the old kernel's 0.3-0.9 TB/s).  2:
+#: the H200 sweep of 2026-12-02 (BENCHMARKS.md) put it within 2% of the best measured split
+#: on average over Scout's four shapes at 1, 16 and 64 rows (4 overshot: 11% short).
+PROGRAMS_PER_SM = 2
 
 
 _SM_COUNTS: dict[torch.device, int] = {}

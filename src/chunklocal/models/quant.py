@@ -26,9 +26,11 @@ AMAX_FLOOR = 1e-12       # an all-zero row quantizes to zeros instead of dividin
 # Dense FP8 layers of at most this many rows (decode steps) run moe_triton's small-M kernel,
 # with the activation quantization fused in, where Triton runs (CUDA); larger ones, and
 # row-parallel slices (their amax is reduced across ranks) or layers with a bias, go
-# through torch._scaled_mm.  Provisional, and only read with moe_triton.FP8_ENABLED: set it
-# from benchmarks/fp8_small_m.py's crossover once that has run on a GPU.
-SMALL_M_ROWS = 64
+# through torch._scaled_mm.  16 from benchmarks/fp8_small_m.py on the H200 (2026-12-02):
+# the kernel took 18-22 us for Scout's dense shapes at 1-16 rows against 29-37 us for
+# torch's path, and 50 us against 23-28 us at 64 rows (it re-streams the weights per
+# 16-row tile).
+SMALL_M_ROWS = 16
 
 
 def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None, amax_reduce=None):

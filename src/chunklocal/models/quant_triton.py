@@ -39,8 +39,11 @@ def available(x: torch.Tensor) -> bool:
         x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
 
 
-#: The switch, read at import (``CHUNKLOCAL_FP8_QUANT_TRITON=1``); off until measured.
-QUANT_ENABLED = os.environ.get("CHUNKLOCAL_FP8_QUANT_TRITON", "0") == "1"
+#: The switch, read at import (``CHUNKLOCAL_FP8_QUANT_TRITON=0`` turns it off).  On since
+#: the H200 run of 2026-12-02 (BENCHMARKS.md): torch's FP8 GEMMs with it took 23-37 us
+#: where torch's chain of small quantization kernels took 40-62 us (dense, 1-256 rows), and
+#: full-size Scout FP8 decode 18.6 / 56.8 ms at batch 1 / 64 against 21.7 / 61.1 ms.
+QUANT_ENABLED = os.environ.get("CHUNKLOCAL_FP8_QUANT_TRITON", "1") == "1"
 MAX_BLOCK_K = 2048  # elements of a row per load (a Scout row of 5120: three loads)
 
 
