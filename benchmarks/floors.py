@@ -166,7 +166,7 @@ def prefill_flops(config, layer_kinds, prompt_len: int, dense_params: int,
 #: ``qq`` for FP8 operands; CUTLASS's grouped GEMM under ``torch._scaled_grouped_mm``).
 KERNEL_CLASSES = (
     # moe_triton's FP8 kernel runs the routed experts and (as one group) the dense layers
-    ("FP8 GEMMs, Triton (experts and dense)", r"_fp8_grouped_gemm_kernel"),
+    ("FP8 GEMMs, Triton (experts and dense)", r"_fp8_splitk_kernel"),
     ("expert GEMMs", r"GroupProblemShap|_grouped_gemm_kernel|grouped_mm|moe"),
     ("dense GEMMs, FP8", r"nvjet\w*qq|_scaled_mm|f8f8|e4m3"),
     ("dense GEMMs, bf16", r"nvjet|gemm|Gemm|cutlass|sm90_xmma|cublas"),
