@@ -52,13 +52,21 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def long_row(path, device, args) -> dict:
-    """Prefill one ``args.prompt``-token request for real, then decode ``args.new`` tokens."""
+#: Prefill steps between progress reports (a line and the partial row in the JSON): a device
+#: call's time limit then still shows how far the prefill got and at what rate (the first
+#: H200 attempt, 2026-12-02, ran 330 s and left nothing).
+PROGRESS_EVERY = 8
+
+
+def long_row(path, device, args, progress=lambda row: None) -> dict:
+    """Prefill one ``args.prompt``-token request for real, then decode ``args.new`` tokens;
+    ``progress(partial row)`` every PROGRESS_EVERY prefill steps."""
     from benchmarks.decode_floor import admit
     from chunklocal.engine.sampling import SamplingParams
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
     llm = engine(path, device, args.kv_cache_dtype, 1, args.prompt + args.new,
                  args.gpu_memory_utilization)
     sched, runner = llm.scheduler, llm.runner
@@ -66,6 +74,7 @@ def long_row(path, device, args) -> dict:
     prompt = np.random.default_rng(0).integers(0, llm.config.vocab_size, args.prompt).tolist()
     seq = admit(llm, 0, prompt, params)
     sync(device)
+    built_s = time.perf_counter() - t0
     start, prefill_steps, decode_ms = time.perf_counter(), 0, []
     while sched.has_work():
         batch = sched.schedule()
@@ -77,8 +86,15 @@ def long_row(path, device, args) -> dict:
         else:
             prefill_steps += 1
             prefill_s = time.perf_counter() - start
+            if prefill_steps % PROGRESS_EVERY == 0:
+                done = min(seq.num_computed, len(prompt))
+                progress({"kv_cache_dtype": args.kv_cache_dtype, "prompt_tokens": args.prompt,
+                          "partial": True, "engine_build_s": built_s,
+                          "prefilled_tokens": done, "prefill_s": prefill_s,
+                          "prefill_tok_per_s": done / prefill_s})
     row = {"kv_cache_dtype": args.kv_cache_dtype, "prompt_tokens": args.prompt,
-           "new_tokens": len(seq.token_ids) - len(prompt), "prefill_steps": prefill_steps,
+           "engine_build_s": built_s, "new_tokens": len(seq.token_ids) - len(prompt),
+           "prefill_steps": prefill_steps,
            "prefill_s": prefill_s, "prefill_tok_per_s": args.prompt / prefill_s,
            "tpot_ms": statistics.median(decode_ms) if decode_ms else None,
            "kv_pages_per_group": [g.num_blocks for g in llm.groups]}
@@ -133,12 +149,21 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp, floors.BalancedRouting():
         path = decode_floor.write_config(Path(tmp) / model, model)
-        cases = [("long", lambda: long_row(path, device, args))] if args.part == "long" else [
+
+        def progress(partial):
+            rows[:] = [r for r in rows if not r.get("partial")] + [partial]
+            print(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in partial.items()), flush=True)
+            save()
+
+        cases = [("long", lambda: long_row(path, device, args, progress))] \
+            if args.part == "long" else [
             (f"capacity {d}", lambda d=d: capacity_row(path, device, d, args))
             for d in ("auto", "fp8")]
         for case, fn in cases:
             row = guarded(case, fn, errors)
             if row:
+                rows[:] = [r for r in rows if not r.get("partial")]
                 rows.append(row)
                 print(format_table([row]), flush=True)
             save()

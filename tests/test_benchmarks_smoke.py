@@ -314,13 +314,17 @@ def test_balanced_routing_spreads_every_call_and_restores_the_models_routing():
         routing("uniform")
 
 
-def test_long_context_smoke(tmp_path):
+def test_long_context_smoke(tmp_path, monkeypatch, capsys):
     """Both parts on the tiny model: the long request is prefilled in chunks and decoded to
-    its last token; the capacity part runs both KV dtypes and decodes the batch that fits."""
+    its last token, reporting its progress on the way (a partial row that the final one
+    replaces); the capacity part runs both KV dtypes and decodes the batch that fits."""
     from benchmarks import long_context
 
+    monkeypatch.setattr(long_context, "PROGRESS_EVERY", 2)
     assert long_context.main(["--smoke", "--part", "long", "--out", str(tmp_path)]) == 0
+    assert "prefilled_tokens 128," in capsys.readouterr().out  # 2 steps of 64 tokens
     (row,) = _load(tmp_path / "long_context_long_smoke.json")["rows"]
+    assert "partial" not in row and row["engine_build_s"] > 0
     assert row["new_tokens"] == 4 and row["prefill_steps"] == -(-300 // 64)
     assert row["prefill_s"] > 0 and row["tpot_ms"] > 0
     assert long_context.main(["--smoke", "--part", "capacity", "--out", str(tmp_path)]) == 0

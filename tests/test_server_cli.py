@@ -75,3 +75,20 @@ def test_model_must_be_a_checkpoint_directory(tmp_path, capsys):
         cli.main(["serve", str(tmp_path / "nope")])
     assert info.value.code == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_the_engine_core_runs_in_its_own_process_unless_told_otherwise(tmp_path, monkeypatch):
+    """Default since the H200 load test of 2026-12-02 (BENCHMARKS.md): ``make_core`` builds
+    a ProcessCore; ``--no-engine-process`` keeps the LLM's core in the server's process."""
+    from chunklocal.engine import core_process
+
+    built = []
+    monkeypatch.setattr(core_process, "ProcessCore", lambda *a: built.append("process"))
+    monkeypatch.setattr(serve_cli, "_llm_class", lambda: (lambda *a, **kw: built.append("llm")))
+    assert parse(str(tmp_path))[1].engine_process is True
+    serve_cli.make_core(parse(str(tmp_path))[1])
+    assert built == ["process"]
+    assert parse(str(tmp_path), "--no-engine-process")[1].engine_process is False
+    with pytest.raises(AttributeError):  # the stand-in LLM has no core: it was the one built
+        serve_cli.make_core(parse(str(tmp_path), "--no-engine-process")[1])
+    assert built == ["process", "llm"]

@@ -74,9 +74,9 @@ class Server:
 
 @pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
 def server(ckpt, tmp_path_factory, request):
-    """The server with its engine core in a thread, and in a process of its own
-    (``--engine-process``): every test below holds for both."""
-    args = ["--engine-process"] if request.param == "engine-process" else []
+    """The server with its engine core in a thread (``--no-engine-process``), and in a
+    process of its own (the default): every test below holds for both."""
+    args = [] if request.param == "engine-process" else ["--no-engine-process"]
     s = Server(ckpt, tmp_path_factory.mktemp("logs"), args)
     yield s
     s.stop()
@@ -310,7 +310,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("engine", [[], ["--engine-process"]],
+@pytest.mark.parametrize("engine", [["--no-engine-process"], []],
                          ids=["engine-thread", "engine-process"])
 def test_api_key_queue_limit_and_sigterm(ckpt, tmp_path, engine):
     # max_model_len 1024 here: a 1000-token request runs long enough to be seen running.

@@ -102,9 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="format of the model's tool calls (llama4_pythonic for Llama-4)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access-log line per request")
-    g.add_argument("--engine-process", action="store_true",
-                   help="run the engine core in a process of its own (HTTP and engine no "
-                   "longer share a GIL; docs/engine-process.md)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in a process of its own, so HTTP and engine "
+                   "share no GIL (default; --no-engine-process keeps it in a thread of "
+                   "the server; docs/engine-process.md)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="default info")
