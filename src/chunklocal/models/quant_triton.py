@@ -12,8 +12,8 @@ and ``x / scale`` use IEEE division (``div_rn``, torch's ``/`` on tensors), the 
 exact, and the cast rounds to nearest even on both (``cvt.rn.satfinite`` on sm90; the values
 are in range already).  tests/gpu/test_fp8_quant_gpu.py compares the bytes on the H200.
 
-Off by default until measured there (``CHUNKLOCAL_FP8_QUANT_TRITON=1`` turns it on;
-docs/gpu-runbook.md): ``quantize_per_token`` takes it for CUDA rows of bf16/fp16 without a
+On by default since the H200 run of 2026-12-02 (BENCHMARKS.md; ``CHUNKLOCAL_FP8_QUANT_TRITON=0``
+turns it off): ``quantize_per_token`` takes it for CUDA rows of bf16/fp16 without a
 cross-rank amax.
 """
 
