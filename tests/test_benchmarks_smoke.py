@@ -333,6 +333,20 @@ def test_long_context_smoke(tmp_path, monkeypatch, capsys):
     assert all(r["fit"] == r["asked"] == 6 and r["decode_ms"] > 0 for r in rows)
 
 
+def test_fp8_kv_accuracy_smoke(tmp_path):
+    """Every cell (2 lengths x global/chunked x decode/prefill) on the torch reference
+    backend: FP8 pages read with their scales agree with float64 over the dequantized pages
+    to float32 rounding, and with the bf16 keys to e4m3's rounding."""
+    from benchmarks import fp8_kv_accuracy
+
+    assert fp8_kv_accuracy.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = _load(tmp_path / "fp8_kv_accuracy_smoke.json")["rows"]
+    assert len(rows) == 8 and {r["layer"] for r in rows} == {"global", "chunked"}
+    for r in rows:
+        assert r["fp8_vs_dequantized_max"] < 1e-5 and r["bf16_pages_max"] < 1e-5
+        assert 1e-3 < r["fp8_vs_unquantized_rms"] < 0.1
+
+
 def test_decode_ab_smoke(tmp_path):
     """Both children run (here the same tree twice) and the ratio is written."""
     from pathlib import Path
