@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         for chunk in (None, chunk_size):
             for queries in (1, min(PREFILL_QUERIES, length)):
                 row = guarded(f"{length} {chunk} {queries}",
-                              lambda: cell(length, chunk, queries, device), errs)
+                              lambda n=length, c=chunk, m=queries: cell(n, c, m, device), errs)
                 if row:
                     rows.append(row)
                     print(format_table([row]), flush=True)
