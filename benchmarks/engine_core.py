@@ -50,12 +50,13 @@ def step_breakdown(llm, prompts, new, device) -> dict:
     buckets: dict = defaultdict(float)
     sync = torch.cuda.synchronize if device == "cuda" else None
     runner, sched = llm.runner, llm.scheduler
-    saved = (sched.schedule, sched.postprocess, runner.prepare, runner.group_inputs,
+    builder = runner.builder
+    saved = (sched.schedule, sched.postprocess, builder.prepare, builder.group_inputs,
              runner.run, core_step._publish, [b.build for b in runner.backends])
     sched.schedule = _timed(buckets, "schedule", sched.schedule)
     sched.postprocess = _timed(buckets, "postprocess", sched.postprocess)
-    runner.prepare = _timed(buckets, "prepare", runner.prepare)
-    runner.group_inputs = _timed(buckets, "group_inputs", runner.group_inputs)
+    builder.prepare = _timed(buckets, "prepare", builder.prepare)
+    builder.group_inputs = _timed(buckets, "group_inputs", builder.group_inputs)
     for backend in runner.backends:
         backend.build = _timed(buckets, "metadata_build", backend.build)
     runner.run = _timed(buckets, "run", runner.run, sync)
@@ -65,7 +66,7 @@ def step_breakdown(llm, prompts, new, device) -> dict:
         llm.generate(prompts, max_new_tokens=new, ignore_eos=True, use_tqdm=False)
         seconds = time.perf_counter() - start
     finally:
-        (sched.schedule, sched.postprocess, runner.prepare, runner.group_inputs, runner.run,
+        (sched.schedule, sched.postprocess, builder.prepare, builder.group_inputs, runner.run,
          core_step._publish, builds) = saved
         for backend, build in zip(runner.backends, builds, strict=True):
             backend.build = build

@@ -1,7 +1,7 @@
 """Host microseconds per decode step, stage by stage, with no model: what the engine's own
 Python costs before and after the device runs.
 
-A scheduler, block manager and runner host half (``ModelRunner(model=None)``, as the
+A scheduler, block manager and runner host half (``InputBuilder``, as the
 tensor-parallel engine's rank 0 uses it) serve ``batch`` requests that have finished a
 ``context``-token prefill.  Each decode step runs the host stages of the real step path:
 
@@ -42,9 +42,8 @@ def make_engine(batch: int, context: int, chunk_size: int | None, block_size: in
                 extra_rows: int = 0, max_len: int | None = None):
     """(scheduler, runner) holding ``batch`` requests just past a ``context``-token prefill
     (and room for ``extra_rows`` more requests of up to ``max_len`` tokens)."""
-    from chunklocal.backends.base import Kind
     from chunklocal.engine.block_manager import BlockManager, KVGroup
-    from chunklocal.engine.model_runner import ModelRunner
+    from chunklocal.engine.input_builder import InputBuilder
     from chunklocal.engine.sampling import SamplingParams
     from chunklocal.engine.scheduler import Scheduler
     from chunklocal.engine.sequence import Sequence
@@ -55,17 +54,15 @@ def make_engine(batch: int, context: int, chunk_size: int | None, block_size: in
     rows = batch + extra_rows
     whole = -(-max_len // block_size) * rows
     if chunk_size is None:
-        groups, kind_to_group = [KVGroup(FullAttentionSpec(*geometry), whole)], {Kind.GLOBAL: 0}
+        groups = [KVGroup(FullAttentionSpec(*geometry), whole)]
     else:
         local = -(-(chunk_size + max(batch, 8192)) // block_size) * rows
         groups = [KVGroup(FullAttentionSpec(*geometry), whole),
                   KVGroup(ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=chunk_size),
                           local)]
-        kind_to_group = {Kind.GLOBAL: 0, Kind.CHUNKED: 1}
     manager = BlockManager(groups, rows, -(-max_len // block_size))
     scheduler = Scheduler(manager, rows, max(8192, batch * context), max_len)
-    runner = ModelRunner(None, manager, kind_to_group, [], "cpu", torch.bfloat16,
-                         chunk_size=chunk_size)
+    runner = InputBuilder(manager, chunk_size)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=4096, ignore_eos=True)
     for i in range(batch):
@@ -91,7 +88,7 @@ def step(scheduler, runner, times: dict | None) -> None:
     t1 = time.perf_counter_ns()
     inputs = runner.prepare(batch)
     t2 = time.perf_counter_ns()
-    runner.group_inputs(batch, inputs, on_device=False)
+    runner.group_inputs(batch, inputs)
     t3 = time.perf_counter_ns()
     sampled = sampled_without_model(batch)
     t4 = time.perf_counter_ns()

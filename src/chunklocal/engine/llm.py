@@ -26,6 +26,7 @@ from chunklocal.engine.memory import (
     device_memory_for,
     startup_line,
 )
+from chunklocal.engine.model_runner import StepRunner
 from chunklocal.engine.requests import check_prompts, load_tokenizer
 from chunklocal.engine.runner_setup import RunnerSetup, build_runner, pool_sizes, profile_run
 from chunklocal.engine.scheduler import Scheduler
@@ -88,8 +89,7 @@ class LLM(OwnsWorkers):
     Every call is a client of one ``EngineCore`` (``llm.core``, a loop thread started
     on first use), so several threads may call generate() / prompt_logits() at once;
     each gets exactly what it would get alone (greedy).  ``last_stats`` is the
-    calling thread's latest call's ``GenerateStats`` (see engine/stats.py).
-    """
+    calling thread's latest call's ``GenerateStats`` (see engine/stats.py)."""
 
     #: Device types each attention backend may run on (backends/factory.py), and what
     #: records CUDA graphs (None: torch.cuda's, on a GPU).  A subclass may widen both:
@@ -201,7 +201,8 @@ class LLM(OwnsWorkers):
                                    self.num_speculative_tokens, pad_drafts=self.cuda_graphs)
         if n == 1:
             with on_device:  # CUDA graphs are captured here
-                self.runner = build_runner(setup, self.model, self.device, self.block_manager)
+                self.runner: StepRunner = build_runner(setup, self.model, self.device,
+                                                       self.block_manager)
         elif self.workers is not None:  # every rank loads its slices, builds its backends
             #                              and captures its graphs
             self.runner = self.workers.start_runners(setup, self.block_manager)
@@ -312,8 +313,7 @@ class LLM(OwnsWorkers):
 
         Every prompt is checked before any work starts; a bad one raises
         ValueError naming its index and value.  ``use_tqdm=None`` shows the
-        progress bar and the summary line only for calls longer than 2 s.
-        """
+        progress bar and the summary line only for calls longer than 2 s."""
         from chunklocal.engine import client
 
         return client.generate(self, prompts, sampling_params, max_new_tokens, temperature,

@@ -1,48 +1,35 @@
-"""Turn a scheduled batch into model inputs, run one step, pick the next tokens.
+"""Run one step of a scheduled batch and pick the next tokens: the device half.
 
-Per step the runner builds flat ``input_ids`` / ``positions``, and for every KV
-group one block table, one slot mapping and exactly one ``backend.build()``,
-whose metadata all the group's layers share.  Hybrid mode: chunked layers read
+Per step the runner takes its host-built inputs (engine/input_builder.py: flat
+``input_ids`` / ``positions``, and for every KV group one block table and one slot
+mapping) and makes exactly one ``backend.build()`` per KV group, whose metadata all the
+group's layers share.  Hybrid mode: chunked layers read
 the chunked group, global layers the global group.  Merged mode: both kinds read
 the single group (the one build prepares both).  This is the only place a batch
 becomes attention metadata: decode and verify steps that replay a CUDA graph
 (engine/cuda_graphs.py) get theirs from the same ``build_steps``.
 
-With tensor parallelism (engine/tp_runner.py) the host half of :meth:`launch`
-(``prepare``, ``group_inputs``, ``capture_rows``) runs once in the caller's process and
-every rank runs :meth:`forward` on the same inputs; rank 0 samples with its
-:class:`Sampler`.
+With tensor parallelism (engine/tp_runner.py) the host half (:class:`InputBuilder`) runs
+once in the caller's process, in a :class:`RemoteRunner`, and every rank runs
+:meth:`ModelRunner.forward` on the same inputs; rank 0 samples with its :class:`Sampler`.
+Both are step runners (:class:`StepRunner`): what the engine core calls.
 """
 
 from __future__ import annotations
 
 import gc
-from collections import deque
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 
-from chunklocal._validate import cdiv
 from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.engine.block_manager import BlockManager
 from chunklocal.engine.cuda_graphs import CudaGraphs
+from chunklocal.engine.input_builder import InputBuilder, StepInputs
 from chunklocal.engine.sampler import DeviceSample, Sampler, SampleResult, to_device
 from chunklocal.engine.scheduler import ScheduledBatch
 from chunklocal.kv_quant import is_fp8
-from chunklocal.virtual_batches import virtual_batches_per_request
-
-
-@dataclass
-class StepInputs:
-    input_ids: np.ndarray       # [T]
-    positions: np.ndarray       # [T]
-    query_start_loc: np.ndarray  # [N+1]
-    seq_lens: np.ndarray        # [N]
-    logit_rows: np.ndarray      # rows whose logits choose tokens
-    logit_owner: np.ndarray     # request of each logit row
-    num_drafts: np.ndarray      # [N] speculative tokens per request
 
 
 @dataclass
@@ -62,35 +49,55 @@ class LaunchedStep:
     step: int = 0               # the engine core's step number
 
 
-#: Steps whose statistics the runner keeps (a server runs for ever: bounded).
-STEP_HISTORY = 1 << 16
+def _builder_field(name: str) -> property:
+    """``runner.<name>`` is the InputBuilder's (statistics and capture state)."""
+    return property(lambda self: getattr(self.builder, name),
+                    lambda self, value: setattr(self.builder, name, value))
 
 
-class ModelRunner:
+class StepRunner:
+    """What the engine core calls on a runner, one process or N ranks: ``launch`` a step,
+    ``collect`` its tokens (``run``: both); the host half's statistics and prompt-logit
+    capture state (:class:`InputBuilder`) under the runner's names."""
+
+    builder: InputBuilder
+    graph_steps: int = 0
+
+    tokens_per_step = _builder_field("tokens_per_step")
+    virtual_batches_per_step = _builder_field("virtual_batches_per_step")
+    peak_virtual_batches = _builder_field("peak_virtual_batches")
+    step_virtual_batches = _builder_field("step_virtual_batches")
+    capture = _builder_field("capture")
+    capture_last_only = _builder_field("capture_last_only")
+    capturing = _builder_field("capturing")
+
+    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
+        raise NotImplementedError
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """One forward step; the chosen tokens of each request (empty when none)."""
+        return self.collect(self.launch(batch))
+
+    def collect(self, launched: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's tokens (only that step's copies, not later work)."""
+        sample, bounds = launched.sample.result(), launched.row_bounds
+        tokens = sample.tokens
+        return StepOutput([tokens[bounds[i]:bounds[i + 1]] for i in range(bounds.shape[0] - 1)],
+                          sample, bounds)
+
+
+class ModelRunner(StepRunner):
     def __init__(self, model, block_manager: BlockManager, kind_to_group: dict[Kind, int],
                  backends: list, device, kv_dtype, seed: int = 0, chunk_size=None):
         self.model = model
+        self.builder = InputBuilder(block_manager, chunk_size)
         self.block_manager = block_manager
         self.groups = block_manager.groups
         self.kind_to_group = kind_to_group
         self.backends = backends  # one per KV group
-        self.chunk_size = chunk_size
         self.device = torch.device(device)
         self.block_size = self.groups[0].block_size
         self.sampler = Sampler(self.device, seed)
-        self.peak_virtual_batches = 0
-        #: The latest STEP_HISTORY steps, oldest first.
-        self.virtual_batches_per_step: deque[int] = deque(maxlen=STEP_HISTORY)
-        self.tokens_per_step: deque[int] = deque(maxlen=STEP_HISTORY)
-        self.step_virtual_batches = 0  # of the latest step
-        #: When a dict, run() stores the logits of every prompt position there,
-        #: by request id, for every request; ``capture_last_only`` keeps
-        #: just each prompt's last position.  Requests with ``seq.capture`` set
-        #: (LLM.prompt_logits) get theirs in ``seq.captured`` instead; ``capturing``
-        #: counts them (the engine core keeps it), so other steps skip the check.
-        self.capture: dict | None = None
-        self.capture_last_only = False
-        self.capturing = 0
         #: Rows of captured logits computed at once (None: all of a step's).  The engine sets
         #: its max_num_seqs, the rows whose logits the memory profile's step held: a step of
         #: max_num_batched_tokens prompt rows would otherwise hold [tokens, vocab] float32
@@ -103,8 +110,7 @@ class ModelRunner:
         self._graph_args: tuple = ()
         self.graphs: CudaGraphs | None = None
         self.graph_steps = 0
-        if model is not None:  # None: the host half of a tensor-parallel engine
-            self._bind_caches(kv_dtype)
+        self._bind_caches(kv_dtype)
 
     def enable_cuda_graphs(self, batch_sizes, query_lens, recorder=None) -> None:
         self._graph_args = (batch_sizes, query_lens, recorder)
@@ -130,58 +136,6 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        seqs = batch.seqs
-        query_lens = np.asarray(batch.num_new, dtype=np.int64)
-        starts = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
-        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        positions = np.arange(num_tokens) + np.repeat(starts - qsl[:-1], query_lens)
-        if num_tokens == len(seqs):  # one token each: no slices (no drafts either)
-            input_ids = np.fromiter((s.token_ids[s.num_computed] for s in seqs), np.int64,
-                                    num_tokens)
-        else:  # one Python slice per request; the tokens themselves are copied in C
-            pieces = (s.token_ids[s.num_computed:s.num_computed + n - len(d)] + d
-                      for s, n, d in zip(seqs, batch.num_new, batch.drafts, strict=True))
-            input_ids = np.fromiter(chain.from_iterable(pieces), np.int64, num_tokens)
-        seq_lens = starts + query_lens
-        # Requests whose step reaches their last known token choose new tokens:
-        # one row for prefill/decode, every row of a verify window.
-        lengths = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
-        num_draft = np.fromiter((len(d) for d in batch.drafts), np.int64, len(seqs))
-        rows_per_seq = np.where(seq_lens - num_draft >= lengths, num_draft + 1, 0)
-        logit_owner = np.repeat(np.arange(len(seqs)), rows_per_seq)
-        first_row = np.cumsum(rows_per_seq) - rows_per_seq
-        offset = np.arange(logit_owner.shape[0]) - first_row[logit_owner]
-        logit_rows = qsl[1:][logit_owner] - rows_per_seq[logit_owner] + offset
-        return StepInputs(input_ids, positions, qsl.astype(np.int32),
-                          seq_lens.astype(np.int32), logit_rows, logit_owner, num_draft)
-
-    def _count_virtual_batches(self, inputs: StepInputs) -> None:
-        if not self.chunk_size:
-            return
-        # Virtual batches of the step (a statistic; each backend makes its own).
-        count = int(virtual_batches_per_request(np.diff(inputs.query_start_loc),
-                                                inputs.seq_lens, self.chunk_size).sum())
-        self.peak_virtual_batches = max(self.peak_virtual_batches, count)
-        self.virtual_batches_per_step.append(count)
-        self.step_virtual_batches = count
-
-    def group_inputs(self, batch: ScheduledBatch, inputs: StepInputs, on_device=True):
-        """Block table (numpy) and slot mapping (device, or numpy) of every KV group."""
-        row_of_token = np.repeat(np.arange(len(batch.seqs)), np.diff(inputs.query_start_loc))
-        width = max(1, int(cdiv(inputs.seq_lens.max(), self.block_size)))
-        rows = np.fromiter((s.row for s in batch.seqs), np.int64, len(batch.seqs))
-        tables, slots = [], []
-        for g in range(len(self.groups)):
-            table = self.block_manager.table_rows(rows, g, width)
-            pages = table[row_of_token, inputs.positions // self.block_size].astype(np.int64)
-            slot = pages * self.block_size + inputs.positions % self.block_size
-            tables.append(table)
-            slots.append(to_device(slot, self.device) if on_device else slot)
-        return tables, slots
-
     def build_steps(self, query_start_loc, seq_lens, tables, slot_mappings, *,
                     graph_batch_size: int | None = None) -> dict[Kind, AttentionStep]:
         """One ``backend.build()`` per KV group; every layer kind gets its group's metadata."""
@@ -191,26 +145,14 @@ class ModelRunner:
         return {kind: AttentionStep(self.backends[g], metadata[g], slot_mappings[g], kind)
                 for kind, g in self.kind_to_group.items()}
 
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        """One forward step; the chosen tokens of each request (empty when none)."""
-        return self.collect(self.launch(batch))
-
-    def collect(self, launched: LaunchedStep) -> StepOutput:
-        """Wait for a launched step's tokens (only that step's copies, not later work)."""
-        sample, bounds = launched.sample.result(), launched.row_bounds
-        tokens = sample.tokens
-        return StepOutput([tokens[bounds[i]:bounds[i + 1]] for i in range(bounds.shape[0] - 1)],
-                          sample, bounds)
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue one step.  With ``prev`` (launched, not collected), input tokens that are
         still placeholders (-1: ``prev``'s own samples) are read from ``prev`` on the
         device, so this step needs no wait for ``prev`` (engine/overlap.py)."""
-        inputs = self.prepare(batch)
-        self.tokens_per_step.append(int(inputs.query_start_loc[-1]))
-        self._count_virtual_batches(inputs)
-        tables, slots = self.group_inputs(batch, inputs)
+        host = self.builder.host_step(batch)
+        inputs, tables = host.inputs, host.tables
+        slots = [to_device(slot, self.device) for slot in host.slots]
         layout = None
         if self.graphs is not None and not self.kv_calibration_pending:
             layout = self.graphs.layout_for(np.diff(inputs.query_start_loc), inputs.num_drafts)
@@ -223,14 +165,13 @@ class ModelRunner:
             input_ids[to_device(holes, self.device)] = \
                 prev.sample.tokens_dev[to_device(src, self.device)]
         hidden = self.forward(inputs, tables, slots, input_ids, layout)
-        if self.capture is not None or self.capturing:
-            rows = self.capture_rows(batch.seqs, inputs)
-            if rows is not None:
-                step = self.capture_rows_per_pass or len(rows)
-                index = torch.from_numpy(rows).to(self.device)
-                logits = torch.cat([self.logits(hidden[index[i:i + step]]).cpu()
-                                    for i in range(0, len(rows), step)])
-                self.store_captured(batch.seqs, inputs, rows, logits)
+        if host.capture_rows is not None:
+            rows = host.capture_rows
+            step = self.capture_rows_per_pass or len(rows)
+            index = torch.from_numpy(rows).to(self.device)
+            logits = torch.cat([self.logits(hidden[index[i:i + step]]).cpu()
+                                for i in range(0, len(rows), step)])
+            self.builder.store_captured(batch.seqs, inputs, rows, logits)
         rows = hidden[to_device(inputs.logit_rows, self.device)]
         sample = self.sampler.launch(self.logits(rows), batch.seqs, inputs.logit_owner)
         bounds = np.searchsorted(inputs.logit_owner, np.arange(len(batch.seqs) + 1))
@@ -260,31 +201,6 @@ class ModelRunner:
             gc.collect()
             self.enable_cuda_graphs(*self._graph_args)
         return hidden
-
-    def capture_rows(self, seqs, inputs) -> np.ndarray | None:
-        """Token rows whose logits are captured this step (None when none)."""
-        if self.capture is None:
-            mode = [s.capture for s in seqs]
-        else:
-            mode = ["last" if self.capture_last_only else "all"] * len(seqs)
-        per_token = np.diff(inputs.query_start_loc)
-        prompt_len = np.repeat([s.num_prompt_tokens for s in seqs], per_token)
-        last_only = np.repeat([m == "last" for m in mode], per_token)
-        keep = (inputs.positions < prompt_len) & np.repeat([m is not None for m in mode],
-                                                           per_token)
-        keep &= ~last_only | (inputs.positions == prompt_len - 1)
-        rows = np.flatnonzero(keep)
-        return rows if rows.size else None
-
-    def store_captured(self, seqs, inputs, rows, logits):
-        owner = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1
-        for i in np.unique(owner):
-            seq = seqs[int(i)]
-            part = logits[torch.from_numpy(owner == i)]
-            if self.capture is None:
-                seq.captured.append(part)
-            else:
-                self.capture.setdefault(seq.seq_id, []).append(part)
 
     def logits(self, hidden):
         return self.model.compute_logits(hidden).float()

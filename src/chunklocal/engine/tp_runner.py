@@ -1,8 +1,8 @@
 """The two halves of a tensor-parallel step.
 
-The caller's process (the engine core's loop thread) runs :class:`RemoteRunner`, the
-host half of :meth:`ModelRunner.launch`: it prepares the step's inputs, block tables and
-slot mappings once and sends the same :class:`DeviceStep` to every rank
+The caller's process (the engine core's loop thread) runs :class:`RemoteRunner`, whose
+:class:`~chunklocal.engine.input_builder.InputBuilder` prepares the step's inputs, block
+tables and slot mappings once; it sends the same :class:`DeviceStep` to every rank
 (engine/workers.py).  Every rank runs :func:`execute`: the forward over its slice of the
 model and the logits (a collective); rank 0 then samples with its own
 :class:`~chunklocal.engine.sampler.Sampler` (seeded with the engine's seed, on cuda:0 as
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunklocal.engine.model_runner import LaunchedStep, ModelRunner, StepInputs
+from chunklocal.engine.input_builder import InputBuilder, StepInputs
+from chunklocal.engine.model_runner import LaunchedStep, ModelRunner, StepRunner
 from chunklocal.engine.sampler import FREQ, PRES, REP, SEEDED, SampleResult, to_device
 
 
@@ -108,23 +109,19 @@ class _Sampled:
         return self._result
 
 
-class RemoteRunner(ModelRunner):
-    """The host half of a tensor-parallel engine: it prepares steps, the ranks run them."""
+class RemoteRunner(StepRunner):
+    """A tensor-parallel engine's runner in the caller's process: its InputBuilder prepares
+    each step, the ranks run it."""
 
-    def __init__(self, workers, block_manager, kind_to_group, chunk_size):
-        super().__init__(None, block_manager, kind_to_group, [], "cpu", None,
-                         chunk_size=chunk_size)
+    def __init__(self, workers, block_manager, chunk_size):
+        self.builder = InputBuilder(block_manager, chunk_size)
         self.workers = workers
+        self.graph_steps = 0
 
     def host_step(self, batch) -> DeviceStep:
-        inputs = self.prepare(batch)
-        self.tokens_per_step.append(int(inputs.query_start_loc[-1]))
-        self._count_virtual_batches(inputs)
-        tables, slots = self.group_inputs(batch, inputs, on_device=False)
-        rows = None
-        if self.capture is not None or self.capturing:
-            rows = self.capture_rows(batch.seqs, inputs)
-        return DeviceStep(inputs, tables, slots, [seq_view(s) for s in batch.seqs], rows)
+        host = self.builder.host_step(batch)
+        return DeviceStep(host.inputs, host.tables, host.slots,
+                          [seq_view(s) for s in batch.seqs], host.capture_rows)
 
     def launch(self, batch, prev: LaunchedStep | None = None) -> LaunchedStep:
         if prev is not None:
@@ -132,7 +129,8 @@ class RemoteRunner(ModelRunner):
         step = self.host_step(batch)
         out = self.execute(step)
         if out.logits is not None:
-            self.store_captured(batch.seqs, step.inputs, step.capture_rows, out.logits)
+            self.builder.store_captured(batch.seqs, step.inputs, step.capture_rows,
+                                        out.logits)
         for i, state in out.generator_states.items():
             batch.seqs[i].generator = state
         bounds = np.searchsorted(step.inputs.logit_owner, np.arange(len(batch.seqs) + 1))

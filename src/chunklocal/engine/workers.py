@@ -215,8 +215,7 @@ class Workers:
         for conn in self.conns:
             self._send(conn, ("setup", runner_setup))
         self._receive(range(len(self.procs)), "ready")
-        return RemoteRunner(self, block_manager, runner_setup.kind_to_group,
-                            runner_setup.chunk_size)
+        return RemoteRunner(self, block_manager, runner_setup.chunk_size)
 
     def step(self, device_step):
         """Run one step on every rank: rank 0's StepResult (engine/tp_runner.py)."""
