@@ -45,14 +45,14 @@ def _timed(buckets, name, fn, sync=None):
 
 def step_breakdown(llm, prompts, new, device) -> dict:
     """Per-step host/device split of one generate() call (instrumented by wrapping)."""
-    from chunklocal.engine import core_step
+    from chunklocal.engine.core import EngineCore
 
     buckets: dict = defaultdict(float)
     sync = torch.cuda.synchronize if device == "cuda" else None
     runner, sched = llm.runner, llm.scheduler
     builder = runner.builder
     saved = (sched.schedule, sched.postprocess, builder.prepare, builder.group_inputs,
-             runner.run, core_step._publish, [b.build for b in runner.backends])
+             runner.run, EngineCore._publish, [b.build for b in runner.backends])
     sched.schedule = _timed(buckets, "schedule", sched.schedule)
     sched.postprocess = _timed(buckets, "postprocess", sched.postprocess)
     builder.prepare = _timed(buckets, "prepare", builder.prepare)
@@ -60,14 +60,14 @@ def step_breakdown(llm, prompts, new, device) -> dict:
     for backend in runner.backends:
         backend.build = _timed(buckets, "metadata_build", backend.build)
     runner.run = _timed(buckets, "run", runner.run, sync)
-    core_step._publish = _timed(buckets, "publish", core_step._publish)
+    EngineCore._publish = _timed(buckets, "publish", EngineCore._publish)
     try:
         start = time.perf_counter()
         llm.generate(prompts, max_new_tokens=new, ignore_eos=True, use_tqdm=False)
         seconds = time.perf_counter() - start
     finally:
         (sched.schedule, sched.postprocess, builder.prepare, builder.group_inputs, runner.run,
-         core_step._publish, builds) = saved
+         EngineCore._publish, builds) = saved
         for backend, build in zip(runner.backends, builds, strict=True):
             backend.build = build
     steps = llm.last_stats.steps

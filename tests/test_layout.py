@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,8 @@ import pytest
 from tools.import_cycles import cycles, module_graph
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "chunklocal"
-MAX_LINES = 350
+MAX_LINES = 500  # a module past this fails; past SOFT_LINES it is named in a warning
+SOFT_LINES = 350  # (the code review of 2026-12: split by role, not by line count)
 
 # Floors, top to bottom: a module may import its own floor or any floor below it.
 FLOORS = [("chunklocal.cli", "chunklocal.server"), ("chunklocal.engine",), ("chunklocal.models",),
@@ -52,3 +54,6 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
 def test_module_is_short(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(SRC.parent)}: {lines} lines > {MAX_LINES}"
+    if lines > SOFT_LINES:
+        warnings.warn(f"{path.relative_to(SRC.parent)}: {lines} lines (over {SOFT_LINES}: "
+                      "does it hold more than one role?)", stacklevel=1)

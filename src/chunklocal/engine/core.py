@@ -21,21 +21,18 @@ from __future__ import annotations
 
 import atexit
 import copy
-import functools
 import itertools
 import queue
 import threading
 import time
-import uuid
 import weakref
 from collections import deque
 
-from chunklocal.engine.prefix_cache import salt_key
-from chunklocal.engine.requests import check_prompt_ids
-from chunklocal.engine.sampler import sampling_row
+from chunklocal.engine.overlap import overlappable, provisional, resolve
+from chunklocal.engine.requests import build_request
 from chunklocal.engine.sampling import SamplingParams
-from chunklocal.engine.sequence import Sequence
-from chunklocal.engine.stream import Request, RequestStream, Sample
+from chunklocal.engine.sequence import Status
+from chunklocal.engine.stream import Request, RequestStream, Wakeups
 
 _LIVE_CORES: weakref.WeakSet = weakref.WeakSet()
 
@@ -67,7 +64,7 @@ class EngineCore:
         self._lock = threading.Lock()  # guards the fields below (client threads)
         self._live: dict[str, Request] = {}
         self._pending = 0  # added, not yet handed to the scheduler
-        self._seq_ids = itertools.count()
+        self.seq_ids = itertools.count()  # Sequence ids (engine/requests.py)
         self._thread: threading.Thread | None = None
         self.closed = False
         self.died: BaseException | None = None  # what ended the loop thread, if it died
@@ -112,57 +109,10 @@ class EngineCore:
     def make_request(self, prompt_token_ids, params, request_id=None, prompt=None,
                      detokenize: bool = True, *, capture: str | None = None,
                      apply_defaults: bool = True, cache_salt: str | None = None) -> Request:
-        """A checked request, not yet queued (``submit`` queues it); ``cache_salt``: only
-        requests of the same salt share prefix-cache KV."""
-        rid = f"req-{uuid.uuid4().hex}" if request_id is None else str(request_id)
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"request {rid}: params must be a SamplingParams, got "
-                             f"{type(params).__name__}")
-        asked = "max_tokens" in params.fields_set and params.max_tokens is not None
-        if apply_defaults:
-            params = params.with_defaults(self.llm.default_sampling)
-        ids = self._check_prompt(rid, prompt_token_ids)
-        room = self.max_model_len - len(ids)
-        if capture is None:
-            # A max_tokens the caller did not ask for (None, SamplingParams' 16 or the
-            # generation config's) is capped by the room left; one asked for must fit.
-            if not asked and (params.max_tokens is None or params.max_tokens > room):
-                if room < 1:
-                    raise ValueError(f"request {rid}: prompt of {len(ids)} tokens leaves no "
-                                     f"room in max_model_len {self.max_model_len}")
-                params = params.replace(max_tokens=room)
-            elif params.max_tokens > room:
-                raise ValueError(f"request {rid}: prompt of {len(ids)} tokens + max_tokens "
-                                 f"{params.max_tokens} exceed max_model_len "
-                                 f"{self.max_model_len}")
-        vocab = self.llm.config.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"request {rid}: stop_token_ids holds {bad[0]}, outside the "
-                             f"vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"request {rid}: logprobs {params.logprobs} exceeds the "
-                             f"maximum {self.max_logprobs}")
-        tokenizer = self._loop_tokenizer() if detokenize or params.stop else None
-        if params.stop and tokenizer is None:
-            raise ValueError(f"request {rid}: stop strings {list(params.stop)} need a "
-                             "tokenizer; the checkpoint has none")
-        req = Request(rid, ids, params, prompt, time.monotonic())
-        req.stream.bind_abort(functools.partial(_abort_weakly, weakref.ref(self), rid))
-        groups = len(self.llm.groups)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"request {rid}: cache_salt must be a str, got {cache_salt!r}")
-        hashes: list[int] = []  # the samples share the prompt's block hashes
-        key = salt_key(cache_salt)
-        for i in range(params.n):
-            child = params if params.seed is None or params.n == 1 else params.replace(
-                seed=params.seed + i, n=1)
-            seq = Sequence(next(self._seq_ids), ids, child, groups)
-            seq.block_hashes, seq.cache_key = hashes, key
-            sample = Sample(req, i, child, tokenizer, seq)
-            seq.sampling_row, seq.capture, seq.sample = sampling_row(child), capture, sample
-            req.samples.append(sample)
-        return req
+        """A checked request, not yet queued (``submit`` queues it); engine/requests.py."""
+        return build_request(self, prompt_token_ids, params, request_id, prompt, detokenize,
+                             capture=capture, apply_defaults=apply_defaults,
+                             cache_salt=cache_salt)
 
     def submit(self, requests: list[Request], check_queue: bool = False):
         """Queue checked requests (all or none); their streams."""
@@ -228,11 +178,7 @@ class EngineCore:
                     prefix_cache_hits_total=self.scheduler.block_manager.prefix_cache_hits)
 
     # -- internals -------------------------------------------------------------------------------
-    def _check_prompt(self, rid, prompt_token_ids) -> list[int]:
-        return check_prompt_ids(rid, prompt_token_ids, self.llm.config.vocab_size,
-                                self.max_model_len)
-
-    def _loop_tokenizer(self):
+    def loop_tokenizer(self):
         """A tokenizer of the loop's own (HF fast tokenizers are not safe to share
         across threads while a client encodes)."""
         if self._detok_tokenizer is None:
@@ -247,13 +193,11 @@ class EngineCore:
 
     def _start(self):
         if self._thread is None:
-            from chunklocal.engine.core_step import run_loop
-
             # The device the runner steps on: LLM names one GPU with its index; under
             # tensor parallelism the ranks own the GPUs and this process stays on the CPU.
             device = self.llm.device if self.llm.tensor_parallel_size == 1 else None
             self._thread = threading.Thread(
-                target=run_loop, args=(weakref.ref(self), self._commands, device),
+                target=_run_loop, args=(weakref.ref(self), self._commands, device),
                 name="chunklocal-engine-core", daemon=True)
             # If the LLM (and so this core) is dropped, the idle thread wakes up and ends.
             weakref.finalize(self, self._commands.put, ("shutdown",))
@@ -262,8 +206,6 @@ class EngineCore:
     def _iterate(self, first) -> bool:
         """One loop iteration: take the queued commands (``first`` already taken), then
         run one step.  True when the loop must end (shutdown)."""
-        from chunklocal.engine.core_step import fail_all, run_step, step_async
-
         commands = [] if first is None else [first]
         while True:
             try:
@@ -276,7 +218,7 @@ class EngineCore:
                 try:
                     self._add(args[0])
                 except BaseException as err:  # noqa: B036 - a dead loop would hang clients
-                    fail_all(self, err)
+                    self._fail_all(err)
             elif kind == "abort":
                 self._abort(args[0])
                 if args[1] is not None:
@@ -288,9 +230,9 @@ class EngineCore:
                 self._abort(rid)
             return True
         if self.llm.async_scheduling:
-            self._in_flight = step_async(self, self._in_flight)
+            self._in_flight = self._step_async(self._in_flight)
         elif self.scheduler.has_work():
-            run_step(self)
+            self._run_step()
         return False
 
     @property
@@ -332,11 +274,210 @@ class EngineCore:
             self._live.pop(req.request_id, None)
         req.stream.publish(wakeups)
 
+    # -- the loop thread's step ------------------------------------------------------------------
+    def _run_step(self) -> None:
+        """One step.  Any exception fails every request in the engine (module docstring)."""
+        llm, sched = self.llm, self.scheduler
+        try:
+            batch = self._schedule()
+            out = llm.runner.run(batch)
+            self._count_step(batch)
+            sched.postprocess(batch, out.tokens, llm.eos_ids)
+            self._publish(batch, out)
+        except BaseException as err:  # noqa: B036 - handed to the requests' streams
+            self._fail_all(err)
 
-def _abort_weakly(core_ref, request_id, wait=False) -> None:
-    core = core_ref()  # a stream kept by a client must not keep the core alive
-    if core is not None:
-        core.abort(request_id, wait)
+    def _launch_step(self, prev=None):
+        """Schedule and queue one step (async_scheduling); None when nothing could be
+        scheduled while ``prev`` is still in flight (its results may free pages)."""
+        batch = self._schedule(prev)
+        if batch is None:
+            return None
+        launched = self.llm.runner.launch(batch, prev)
+        launched.step = self._count_step(batch)
+        return launched
+
+    def _schedule(self, prev=None):
+        sched = self.scheduler
+        batch = sched.schedule()
+        if batch.seqs:
+            return batch
+        if prev is not None:
+            return None
+        # Every request waits for pages that no running request will free.
+        raise RuntimeError(f"no request could be scheduled ({len(sched.waiting)} waiting, "
+                           f"{len(sched.running)} running): the KV pool cannot hold them")
+
+    def _count_step(self, batch) -> int:
+        """Check the step's virtual batches against the bound the buffers were sized for,
+        log the step; its number."""
+        llm = self.llm
+        virtual = llm.runner.step_virtual_batches
+        if virtual > llm.max_virtual_batches:
+            raise RuntimeError(f"{virtual} virtual batches in one step exceed the bound "
+                               f"{llm.max_virtual_batches}")
+        self.num_steps += 1
+        self.step_log.append((virtual, int(sum(batch.num_new)),
+                              tuple(g.num_used for g in llm.groups)))
+        return self.num_steps
+
+    def _step_async(self, pending):
+        """One loop iteration with async_scheduling (engine/overlap.py); the step left in
+        flight (or None).  Any exception fails every request in the engine."""
+        llm, sched = self.llm, self.scheduler
+        try:
+            if pending is None:
+                return self._launch_step() if sched.has_work() else None
+            if not overlappable(self, pending):
+                out = llm.runner.collect(pending)
+                sched.postprocess(pending.batch, out.tokens, llm.eos_ids)
+                self._publish(pending.batch, out, pending.step)
+                return None
+            provisional(sched, pending)
+            launched = self._launch_step(pending) if sched.has_work() else None
+            out = llm.runner.collect(pending)
+            resolve(sched, pending, out, llm.eos_ids)
+            self._publish(pending.batch, out, pending.step)
+            return launched
+        except BaseException as err:  # noqa: B036 - handed to the requests' streams
+            self._fail_all(err)
+            return None
+
+    def _fail_all(self, err: BaseException) -> None:
+        """Free every page and fail every request still in the engine with ``err``."""
+        self.scheduler.abort_all()
+        for req in list(self._requests.values()):
+            with req.stream.lock:
+                for sample in req.samples:
+                    sample.finish("abort")
+                self._finish(req, error=err)
+
+    def _publish(self, batch, out, step=None) -> None:
+        """Per request that advanced: take its tokens, then finish or publish it, under its
+        stream's lock once (a request of n > 1 samples publishes after all of them); the
+        asyncio readers are woken once per event loop when all are published."""
+        multi = {}
+        now, step = time.monotonic(), self.num_steps if step is None else step
+        wake = Wakeups()
+        try:
+            for i, seq in enumerate(batch.seqs):
+                req = seq.sample.request
+                if req.first_step is None:
+                    req.first_step = step
+                req.last_step = step
+                if len(out.tokens[i]) == 0 or seq.sample.finish_reason is not None:
+                    continue  # a prefill piece short of the prompt's end, or finished
+                with req.stream.lock:
+                    self._advance(seq.sample, seq, out, i, now)
+                    if len(req.samples) > 1:
+                        multi[req.request_id] = req
+                    elif seq.sample.finish_reason is not None:
+                        self._finish(req, wakeups=wake)
+                    else:
+                        req.stream.publish(wake)
+            for req in multi.values():
+                with req.stream.lock:
+                    if req.finished:
+                        self._finish(req, wakeups=wake)
+                    else:
+                        req.stream.publish(wake)
+        finally:  # a reader published to is woken even if a later request raised
+            wake.send()
+
+    def _advance(self, sample, seq, out, i: int, now: float) -> None:
+        """Move the step's new tokens of ``seq`` into its sample: text, stop strings,
+        logprobs."""
+        req, params = sample.request, sample.params
+        new = seq.token_ids[seq.num_prompt_tokens + len(sample.token_ids):]
+        if new and req.first_token_time is None:
+            req.first_token_time = now
+        row0, result = int(out.row_bounds[i]), out.sample
+        for j, token in enumerate(new):
+            # A final EOS or stop token id adds no text (vLLM), unless asked to.
+            terminal = j == len(new) - 1 and seq.finish_reason == "stop"
+            hit = None
+            if sample.detok is not None and (not terminal or params.include_stop_str_in_output):
+                hit = sample.detok.add(token)
+            sample.token_ids.append(token)
+            self.generation_tokens_total += 1
+            if sample.logprobs is not None:
+                row = row0 + j
+                entry = {}
+                if params.logprobs:
+                    entry = dict(zip(result.topk_ids[row, :params.logprobs].tolist(),
+                                     result.topk_logprobs[row, :params.logprobs].tolist(),
+                                     strict=True))
+                logprob = float(result.token_logprobs[row])
+                entry[token] = logprob
+                sample.logprobs.append(entry)
+                sample.cumulative_logprob += logprob
+            if hit is not None:  # a stop string: later tokens of this step are dropped
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.abort(seq)  # frees its pages now
+                seq.finish_reason, seq.stop_reason = "stop", hit
+                sample.finish("stop", hit)
+                return
+        if seq.status is Status.FINISHED:
+            sample.finish(seq.finish_reason, seq.stop_reason)
+
+    def _die(self, commands, err: BaseException, first) -> None:
+        """The loop thread raised: refuse new requests, fail every request it holds or has
+        queued (``first``: the command it had taken)."""
+        with self._lock:
+            self.closed, self.died = True, err  # submit() refuses from now on
+        try:
+            self._fail_all(err)
+        finally:
+            # submitted, never admitted by the loop
+            queued = [first[1]] if first is not None and first[0] == "add" else []
+            while True:
+                try:
+                    kind, *args = commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    queued.append(args[0])
+            for req in queued:
+                if req.request_id in self._requests:
+                    continue  # admitted before the loop died: _fail_all finished it
+                with req.stream.lock:
+                    for sample in req.samples:
+                        sample.finish("abort")
+                    req.error = err
+                    with self._lock:
+                        self._live.pop(req.request_id, None)
+                    req.stream.publish()
+
+
+def _run_loop(core_ref, commands, device) -> None:
+    """The loop thread.  It holds the core only while working, never while it blocks for
+    the next command, so a dropped LLM is freed (its finalizer wakes the thread).  If it
+    dies, every request it holds or has queued fails with the cause and the core refuses
+    new ones: a dead loop must never leave a client waiting."""
+    first = None  # the command taken while idle, until the loop has handled it
+    try:
+        if device is not None and device.type == "cuda":  # the current device is per thread
+            import torch
+
+            torch.cuda.set_device(device)
+        while True:
+            core = core_ref()
+            if core is None:
+                return
+            idle = core._idle
+            del core
+            first = commands.get() if idle else None
+            core = core_ref()
+            if core is None or core._iterate(first):
+                return
+            del core
+            first = None
+    except BaseException as err:  # noqa: B036 - handed to every waiting client
+        core = core_ref()
+        if core is not None:
+            core._die(commands, err, first)
+        raise
+
 
 
 def _penalised(params) -> bool:

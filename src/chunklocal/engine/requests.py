@@ -1,4 +1,5 @@
-"""What a caller hands ``chunklocal.LLM``, checked before any work starts.
+"""What a caller hands ``chunklocal.LLM``, checked before any work starts, and the
+engine core's requests built from it (:func:`build_request`).
 
 Every check raises ValueError naming the argument (and, for prompts, the index
 and the value), so a bad request never reaches the scheduler and the other
@@ -7,15 +8,24 @@ prompts of the call are not disturbed.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import time
+import uuid
+import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from chunklocal._validate import as_int
+from chunklocal.engine.prefix_cache import salt_key
+from chunklocal.engine.sampler import sampling_row
+from chunklocal.engine.sampling import SamplingParams
+from chunklocal.engine.sequence import Sequence
+from chunklocal.engine.stream import Request, Sample
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -167,3 +177,68 @@ def check_prompt_ids(rid, prompt_token_ids, vocab_size: int, max_model_len: int)
         raise ValueError(f"request {rid}: prompt of {arr.size} tokens exceeds "
                          f"max_model_len {max_model_len}")
     return arr.tolist()
+
+
+def build_request(core, prompt_token_ids, params, request_id=None, prompt=None,
+                  detokenize: bool = True, *, capture: str | None = None,
+                  apply_defaults: bool = True, cache_salt: str | None = None) -> Request:
+    """``EngineCore.make_request``: a checked Request for ``core``'s engine, not yet queued
+    (``core.submit`` queues it); ValueError names the request and the bad value.
+    ``cache_salt``: only requests of the same salt share prefix-cache KV."""
+    rid = f"req-{uuid.uuid4().hex}" if request_id is None else str(request_id)
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"request {rid}: params must be a SamplingParams, got "
+                         f"{type(params).__name__}")
+    asked = "max_tokens" in params.fields_set and params.max_tokens is not None
+    if apply_defaults:
+        params = params.with_defaults(core.llm.default_sampling)
+    ids = check_prompt_ids(rid, prompt_token_ids, core.llm.config.vocab_size,
+                           core.max_model_len)
+    room = core.max_model_len - len(ids)
+    if capture is None:
+        # A max_tokens the caller did not ask for (None, SamplingParams' 16 or the
+        # generation config's) is capped by the room left; one asked for must fit.
+        if not asked and (params.max_tokens is None or params.max_tokens > room):
+            if room < 1:
+                raise ValueError(f"request {rid}: prompt of {len(ids)} tokens leaves no "
+                                 f"room in max_model_len {core.max_model_len}")
+            params = params.replace(max_tokens=room)
+        elif params.max_tokens > room:
+            raise ValueError(f"request {rid}: prompt of {len(ids)} tokens + max_tokens "
+                             f"{params.max_tokens} exceed max_model_len "
+                             f"{core.max_model_len}")
+    vocab = core.llm.config.vocab_size
+    bad = [t for t in params.stop_token_ids if t >= vocab]
+    if bad:
+        raise ValueError(f"request {rid}: stop_token_ids holds {bad[0]}, outside the "
+                         f"vocabulary [0, {vocab})")
+    if params.logprobs is not None and params.logprobs > core.max_logprobs:
+        raise ValueError(f"request {rid}: logprobs {params.logprobs} exceeds the "
+                         f"maximum {core.max_logprobs}")
+    tokenizer = core.loop_tokenizer() if detokenize or params.stop else None
+    if params.stop and tokenizer is None:
+        raise ValueError(f"request {rid}: stop strings {list(params.stop)} need a "
+                         "tokenizer; the checkpoint has none")
+    req = Request(rid, ids, params, prompt, time.monotonic())
+    req.stream.bind_abort(functools.partial(_abort_weakly, weakref.ref(core), rid))
+    groups = len(core.llm.groups)
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"request {rid}: cache_salt must be a str, got {cache_salt!r}")
+    hashes: list[int] = []  # the samples share the prompt's block hashes
+    key = salt_key(cache_salt)
+    for i in range(params.n):
+        child = params if params.seed is None or params.n == 1 else params.replace(
+            seed=params.seed + i, n=1)
+        seq = Sequence(next(core.seq_ids), ids, child, groups)
+        seq.block_hashes, seq.cache_key = hashes, key
+        sample = Sample(req, i, child, tokenizer, seq)
+        seq.sampling_row, seq.capture, seq.sample = sampling_row(child), capture, sample
+        req.samples.append(sample)
+    return req
+
+
+
+def _abort_weakly(core_ref, request_id, wait=False) -> None:
+    core = core_ref()  # a stream kept by a client must not keep the core alive
+    if core is not None:
+        core.abort(request_id, wait)
