@@ -340,3 +340,46 @@ def test_decode_pages_are_checked_in_order_not_in_total():
     assert len(grp.free_blocks) == 0
     assert manager.decode_changes([first, second]) is None
     assert manager.decode_changes([second, first]).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("threshold", [1, 5, 16])
+def test_long_prefill_token_threshold_caps_each_prompt_per_step(threshold):
+    """vLLM's long_prefill_token_threshold: no request prefills more than that many prompt
+    tokens in one step, running or newly admitted, so the budget is shared; the outputs are
+    those of the uncapped scheduler."""
+    budget, max_new = 48, 6
+    lengths = [40, 33, 7, 25]
+    outs = {}
+    for cap in (0, threshold):
+        scheduler, runner, prompts = workload(lengths, max_new, 4, budget, 4, 2, True, 4, seed=3)
+        scheduler.prefill_cap = cap or budget
+        seqs, largest = list(scheduler.waiting), 0
+        while scheduler.has_work():
+            batch = scheduler.schedule()
+            for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+                if seq.num_computed < seq.num_prompt_tokens:  # a prefill piece
+                    largest = max(largest, n)
+            scheduler.postprocess(batch, runner.run(batch), frozenset())
+        outs[cap] = largest
+        assert [s.output_ids for s in seqs] == [unrolled(p, max_new) for p in prompts]
+    assert outs[threshold] == threshold < outs[0]  # capped, where the plain run was not
+
+
+def test_the_threshold_reaches_the_scheduler_and_is_checked(tmp_path):
+    from llama4_tiny import write_tiny_llama4
+
+    import chunklocal
+
+    write_tiny_llama4(tmp_path, seed=0)
+    llm = chunklocal.LLM(tmp_path, device="cpu", dtype=torch.float32, max_model_len=128,
+                         block_size=4, long_prefill_token_threshold=8)
+    assert llm.scheduler.prefill_cap == 8
+    plain = chunklocal.LLM(tmp_path, device="cpu", dtype=torch.float32, max_model_len=128,
+                           block_size=4)
+    prompts = [[(5 * i + 3 * j) % 400 + 7 for j in range(n)] for i, n in enumerate([30, 9])]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert max(llm.runner.tokens_per_step) <= 8 * len(prompts)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0.*-1"):
+        chunklocal.LLM(tmp_path, device="cpu", long_prefill_token_threshold=-1)

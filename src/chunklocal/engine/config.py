@@ -48,6 +48,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     prefix_caching_hash_algo: str = "builtin"  # or "sha256" (engine/prefix_cache.py)
     calculate_kv_scales: bool = False  # FP8 KV scales from the first step (kv_quant.py)
+    long_prefill_token_threshold: int = 0  # prompt tokens per request per step (0: no cap)
 
     def __post_init__(self):
         checked = check_arguments(**{f.name: getattr(self, f.name) for f in fields(self)})

@@ -59,7 +59,7 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
                     tensor_parallel_size, moe_parallel, enable_prefix_caching=True,
                     kv_cache_dtype="auto", gpu_memory_utilization=0.9,
                     prefix_caching_hash_algo="builtin", tokenizer=None,
-                    calculate_kv_scales=False) -> dict:
+                    calculate_kv_scales=False, long_prefill_token_threshold=0) -> dict:
     """Every argument but ``model``, checked by itself; returns them normalised (ints as
     int, the device as a torch.device, the dtype as a torch.dtype or None)."""
     out = dict(
@@ -90,6 +90,10 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
     if out["calculate_kv_scales"] and out["kv_cache_dtype"] == "auto":
         raise ValueError("calculate_kv_scales=True calibrates FP8 KV pages: it needs "
                          "kv_cache_dtype='fp8', got kv_cache_dtype='auto'")
+    if as_int(long_prefill_token_threshold, "long_prefill_token_threshold") < 0:
+        raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), got "
+                         f"{long_prefill_token_threshold}")
+    out["long_prefill_token_threshold"] = int(long_prefill_token_threshold)
     if as_int(num_speculative_tokens, "num_speculative_tokens") < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
     out["num_speculative_tokens"] = int(num_speculative_tokens)

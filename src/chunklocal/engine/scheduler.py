@@ -72,8 +72,15 @@ def propose_ngram(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 num_speculative_tokens: int = 0, pad_drafts: bool = False):
+                 num_speculative_tokens: int = 0, pad_drafts: bool = False,
+                 long_prefill_token_threshold: int = 0):
         self.block_manager = block_manager
+        #: Prompt tokens one request may prefill per step (vLLM's
+        #: ``long_prefill_token_threshold``; 0: the step's whole budget).  A lower cap shares
+        #: each step between several prefills and the running decodes, so a long prompt
+        #: stretches the decodes' steps less (their inter-token latency), at the cost of its
+        #: own time to first token.
+        self.prefill_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -186,7 +193,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted by an earlier request this step
                 continue
             if seq.is_prefilling:
-                draft, num_new = [], min(seq.num_uncomputed, budget)
+                draft, num_new = [], min(seq.num_uncomputed, budget, self.prefill_cap)
             else:
                 draft = self._draft(seq)[:budget - 1]
                 num_new = 1 + len(draft)
@@ -198,7 +205,7 @@ class Scheduler:
             with self.block_manager.lock:  # a hit's pages stay cached until allocated
                 hit = self.block_manager.lookup(seq)  # prefix cache: None when off or no hit
                 num_new = min(seq.num_uncomputed - (0 if hit is None else hit.num_tokens),
-                              budget)
+                              budget, self.prefill_cap)
                 if not self.block_manager.can_allocate(seq, num_new, hit):
                     break  # admission waits for pages
                 self.block_manager.allocate(seq, num_new, hit)

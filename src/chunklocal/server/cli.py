@@ -37,6 +37,7 @@ LLM_FLAGS = {
     "kv_cache_dtype": "kv_cache_dtype", "gpu_memory_utilization": "gpu_memory_utilization",
     "prefix_caching_hash_algo": "prefix_caching_hash_algo", "tokenizer": "tokenizer",
     "calculate_kv_scales": "calculate_kv_scales",
+    "long_prefill_token_threshold": "long_prefill_token_threshold",
 }
 
 log = logging.getLogger("chunklocal.server")
@@ -118,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per step (default 256)")
     e.add_argument("--max-num-batched-tokens", type=_positive, default=8192,
                    help="query tokens per step, drafts included (default 8192)")
+    e.add_argument("--long-prefill-token-threshold", type=_int_at_least(0), default=0,
+                   help="prompt tokens one request may prefill per step (0, the default: "
+                   "no cap); lower trades its time to first token for the decodes' ITL")
     e.add_argument("--max-model-len", type=_positive, default=None,
                    help="prompt + new tokens per request (default: max_position_embeddings)")
     e.add_argument("--block-size", type=_positive, default=16,
