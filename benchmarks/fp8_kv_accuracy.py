@@ -58,21 +58,17 @@ def errors(out, ref) -> tuple[float, float]:
 
 def cell(length, chunk, queries, device) -> dict:
     from chunklocal.backends.base import EngineLimits
+    from chunklocal.backends.factory import make_backend as backend_for
     from chunklocal.kv_quant import FP8_KV_DTYPE, dequantize, quantize
     from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, Kind
     from chunklocal.reference import reference_attention
 
-    def make_backend(dtype):
+    def make_backend(dtype):  # the engine's choice: FlashInfer on CUDA, else the reference
         spec = (ChunkedLocalAttentionSpec(BS, HKV, D, dtype, attention_chunk_size=chunk)
                 if chunk else FullAttentionSpec(BS, HKV, D, dtype))
-        limits = EngineLimits(1, max(queries, 1), length, BS)
-        if device.type == "cuda":
-            from chunklocal.backends.flashinfer import FlashInferBackend
-
-            return FlashInferBackend(spec, limits, HQ, HKV, D, torch.bfloat16, "cuda")
-        from chunklocal.backends.torch_ref import TorchRefBackend
-
-        return TorchRefBackend(spec, num_q_heads=HQ)
+        return backend_for("flashinfer" if device.type == "cuda" else "torch", spec,
+                           EngineLimits(1, max(queries, 1), length, BS), num_q_heads=HQ,
+                           dtype=torch.bfloat16, device=device)
 
     k, v = keys_values(length, seed=length + (chunk or 0), device=device)
     k_scale, v_scale = float(k.abs().max()) / 200, float(v.abs().max()) / 100
