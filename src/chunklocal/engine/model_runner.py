@@ -91,7 +91,6 @@ class ModelRunner(StepRunner):
                  backends: list, device, kv_dtype, seed: int = 0, chunk_size=None):
         self.model = model
         self.builder = InputBuilder(block_manager, chunk_size)
-        self.block_manager = block_manager
         self.groups = block_manager.groups
         self.kind_to_group = kind_to_group
         self.backends = backends  # one per KV group
