@@ -16,11 +16,12 @@ Two parts, one run (GPU):
 * **Engine**: full-size Scout FP8 (dummy weights, ``benchmarks.decode_floor``'s model)
   decode steps at the given batches, 1k contexts, one engine per variant of
   ``--engine-paths`` (``ENGINE_PATHS``: projections unfused, torch's path, with the
-  quantization kernel, with the GEMM kernel), one after the other, on spread routing
+  quantization kernel, with the GEMM kernel, the defaults (both kernels), and the defaults
+  with the elementwise-tail kernels), one after the other, on spread routing
   (``floors.BalancedRouting``; the experts touched per layer are in each row).
 
     python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
-        [--engine-paths unfused torch quant triton] [--sweep 1 16 64]
+        [--engine-paths unfused torch quant triton defaults tail] [--sweep 1 16 64]
 """
 
 from __future__ import annotations
@@ -174,24 +175,29 @@ def sweep_rows(rows, device, copy_rate, ms, smoke, save) -> None:
             save()
 
 
-#: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel).
-ENGINE_PATHS = {"unfused": (False, False, False), "torch": (True, False, False),
-                "quant": (True, False, True), "triton": (True, True, False)}
+#: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel, the
+#: elementwise-tail kernels of models/norm_triton.py).
+ENGINE_PATHS = {"unfused": (False, False, False, False), "torch": (True, False, False, False),
+                "quant": (True, False, True, False), "triton": (True, True, False, False),
+                "defaults": (True, True, True, False), "tail": (True, True, True, True)}
 
 
 @contextlib.contextmanager
-def switches(fuse: bool, gemm: bool, quant_kernel: bool):
+def switches(fuse: bool, gemm: bool, quant_kernel: bool, tail: bool = False):
     """The module switches of one variant, restored afterwards (read when an engine loads
-    and when a GEMM or quantization runs, so a CUDA graph captures what they say)."""
-    from chunklocal.models import fused, moe_triton, quant_triton
+    and when a kernel runs, so a CUDA graph captures what they say)."""
+    from chunklocal.models import fused, moe_triton, norm_triton, quant_triton
 
-    saved = fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED
-    fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED = \
-        fuse, gemm, quant_kernel
+    names = ((fused, "FUSE_PROJECTIONS"), (moe_triton, "FP8_ENABLED"),
+             (quant_triton, "QUANT_ENABLED"), (norm_triton, "NORM_ENABLED"))
+    saved = [getattr(module, name) for module, name in names]
+    for (module, name), value in zip(names, (fuse, gemm, quant_kernel, tail), strict=True):
+        setattr(module, name, value)
     try:
         yield
     finally:
-        fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED = saved
+        for (module, name), value in zip(names, saved, strict=True):
+            setattr(module, name, value)
 
 
 def engine_rows(rows, batches, steps, device, rates, save, errors, paths) -> None:
@@ -238,9 +244,11 @@ def main(argv=None) -> int:
                         help="also time the split-K kernel at every SWEEP tile/split choice "
                              "for these row counts (e.g. --sweep 1 16 64)")
     parser.add_argument("--engine-paths", nargs="+", choices=sorted(ENGINE_PATHS),
-                        default=["unfused", "torch", "quant"],
-                        help="engine variants, in order: unfused projections, torch's FP8 "
-                             "path, with the quantization kernel, with the GEMM kernel")
+                        default=["defaults", "tail"],
+                        help="engine variants, in order (ENGINE_PATHS): unfused projections, "
+                             "torch's FP8 path, with the quantization kernel, with the GEMM "
+                             "kernel, both kernels (the defaults), and the defaults with the "
+                             "elementwise-tail kernels (models/norm_triton.py)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:

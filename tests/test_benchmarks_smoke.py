@@ -223,10 +223,11 @@ def test_stream_chunks_smoke(tmp_path):
 
 def test_fp8_small_m_engine_variants_set_and_restore_their_switches():
     from benchmarks import fp8_small_m
-    from chunklocal.models import fused, moe_triton, quant_triton
+    from chunklocal.models import fused, moe_triton, norm_triton, quant_triton
 
     def now():
-        return fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED
+        return (fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED,
+                norm_triton.NORM_ENABLED)
 
     before = now()
     for want in fp8_small_m.ENGINE_PATHS.values():
@@ -274,6 +275,8 @@ TRITON_KERNEL_CLASSES = {
     "_fp8_splitk_kernel": "FP8 GEMMs, Triton (experts and dense)",
     "_grouped_gemm_kernel": "expert GEMMs",
     "_quantize_rows_kernel": "quantization (amax)",
+    "_add_rms_norm_kernel": "norms, reductions",
+    "_rope_norm_kernel": "norms, reductions",  # rope + QK norm
 }
 
 

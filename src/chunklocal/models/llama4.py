@@ -61,6 +61,18 @@ class RMSNorm(nn.Module):
         return _rms(x, self.eps) * self.weight
 
 
+def add_rms_norm(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
+    """(``norm(s)``, ``s``) for the residual stream ``s = residual + h`` (``h`` itself when
+    ``residual`` is None: the embeddings).  One Triton kernel where models/norm_triton.py
+    is switched on and runs; torch's add and ``RMSNorm`` otherwise (the same arithmetic)."""
+    import chunklocal.models.norm_triton as norm_triton
+
+    if norm_triton.NORM_ENABLED and norm_triton.norm_available(h):  # off: no call there
+        return norm_triton.add_rms_norm_rows(h, residual, norm.weight, norm.eps)
+    total = h if residual is None else residual + h
+    return norm(total), total
+
+
 class GatedMLP(GatedMLPBase):
     """Dense MLP; tensor parallel: this rank's slice of the inner size, one all-reduce."""
 
@@ -125,7 +137,9 @@ class Attention(nn.Module):
         self.qkv_sizes = sizes or []
         return sizes is not None
 
-    def forward(self, x, positions, freqs_cis, step: AttentionStep):
+    def forward(self, x, q_scale, freqs_cis, step: AttentionStep):
+        """``q_scale``: the step's query temperature per token (:func:`query_temperature`),
+        the same for every NoPE layer, so computed once per step."""
         t = x.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -134,14 +148,11 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.use_rope:
-            q, k = _rotate(q, freqs_cis), _rotate(k, freqs_cis)
-        if self.qk_norm_eps is not None:
-            q, k = _rms(q, self.qk_norm_eps), _rms(k, self.qk_norm_eps)
+        if self.use_rope:  # Llama-4's QK norm is on rope layers only
+            q = rope_heads(q, freqs_cis, self.qk_norm_eps)
+            k = rope_heads(k, freqs_cis, self.qk_norm_eps)
         if self.temperature is not None:
-            floor_scale, attn_scale = self.temperature
-            scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
-            q = (q * (scales * attn_scale + 1.0).view(t, 1, 1)).to(q.dtype)
+            q = (q * q_scale).to(q.dtype)
         # Keys and values go to the cache first: the step's queries read them
         # back through the block table like every earlier token's.
         k_cache, v_cache = self.k_cache, self.v_cache
@@ -168,9 +179,31 @@ class Attention(nn.Module):
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
+def query_temperature(config, positions: torch.Tensor) -> torch.Tensor | None:
+    """Llama-4's attention temperature of the NoPE layers' queries, float32 ``[T, 1, 1]``
+    (None without ``attn_temperature_tuning``)."""
+    if not config.attn_temperature_tuning:
+        return None
+    floor_scale, attn_scale = float(config.floor_scale), float(config.attn_scale)
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
+    return (scales * attn_scale + 1.0).view(-1, 1, 1)
+
+
 def _rotate(x, freqs_cis):
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(pairs * freqs_cis[:, None, :]).flatten(-2).type_as(x)
+
+
+def rope_heads(x: torch.Tensor, freqs_cis: torch.Tensor, qk_norm_eps: float | None):
+    """Heads ``x [T, H, D]`` rotated (``_rotate``), then normalized (``_rms``) when
+    ``qk_norm_eps`` is given: one Triton kernel where models/norm_triton.py is switched on
+    and runs, torch's ops otherwise."""
+    import chunklocal.models.norm_triton as norm_triton
+
+    if norm_triton.NORM_ENABLED and norm_triton.rope_available(x):
+        return norm_triton.rope_norm_rows(x, freqs_cis, qk_norm_eps)
+    x = _rotate(x, freqs_cis)
+    return x if qk_norm_eps is None else _rms(x, qk_norm_eps)
 
 
 def fp8_moe(moe: MoE, fp8: Fp8Plan, prefix: str) -> MoE:
@@ -211,10 +244,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, freqs_cis, steps):
+    def forward(self, h, residual, q_scale, freqs_cis, steps):
+        """``h``: the previous sublayer's output, not yet added to the residual stream
+        (``residual``; None before the first layer, where ``h`` is the embeddings), so each
+        add meets the norm after it in one place (:func:`add_rms_norm`).  Returns this
+        layer's feed-forward output and the residual stream it has not been added to."""
         step = steps[self.self_attn.kind]
-        x = x + self.self_attn(self.input_layernorm(x), positions, freqs_cis, step)
-        return x + self.feed_forward(self.post_attention_layernorm(x))
+        normed, residual = add_rms_norm(h, residual, self.input_layernorm)
+        h = self.self_attn(normed, q_scale, freqs_cis, step)
+        normed, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
+        return self.feed_forward(normed), residual
 
 
 class TextModel(nn.Module):
@@ -265,10 +304,11 @@ class Llama4ForCausalLM(nn.Module):
         """input_ids, positions: [tokens]; returns final-normed hidden states [tokens, H]."""
         angles = positions.float()[:, None] * self._inv_freq[None, :]
         freqs_cis = torch.polar(torch.ones_like(angles), angles) * self._rope_scaling
-        x = self.model.embed_tokens(input_ids)
+        q_scale = query_temperature(self.config, positions)
+        h, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, positions, freqs_cis, steps)
-        return self.model.norm(x)
+            h, residual = layer(h, residual, q_scale, freqs_cis, steps)
+        return add_rms_norm(h, residual, self.model.norm)[0]
 
     def compute_logits(self, hidden):
         logits = self.lm_head(hidden)
