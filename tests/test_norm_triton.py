@@ -24,7 +24,7 @@ KERNEL_SCRIPT = textwrap.dedent("""
     from chunklocal.models import norm_triton
     from chunklocal.models.llama4 import RMSNorm, add_rms_norm
 
-    assert not norm_triton.NORM_ENABLED  # off by default (CHUNKLOCAL_NORM_TRITON=1: on)
+    assert norm_triton.NORM_ENABLED  # on by default (CHUNKLOCAL_NORM_TRITON=0: off)
     gen = torch.Generator().manual_seed(0)
     m, n, eps = 7, 80, 1e-5  # 80: the last lanes of the 128-wide block are masked
     scale = torch.logspace(-3, 3, m).view(-1, 1)
@@ -44,6 +44,7 @@ KERNEL_SCRIPT = textwrap.dedent("""
     norm.weight.data = w
     calls, real = [], norm_triton.add_rms_norm_rows
     norm_triton.add_rms_norm_rows = lambda *a, **k: calls.append(1) or real(*a, **k)
+    norm_triton.NORM_ENABLED = False
     off = add_rms_norm(h, r, norm)
     assert calls == []
     norm_triton.NORM_ENABLED = True
@@ -86,6 +87,8 @@ ROPE_SCRIPT = textwrap.dedent("""
             err = ((got.double() - want).abs().max() / want.abs().max()).item()
             assert err < 1e-6, (e, err)
     # the dispatch: torch's ops while off, the kernel when on, the same values
+    assert norm_triton.rope_available(q)  # on by default
+    norm_triton.NORM_ENABLED = False
     assert not norm_triton.rope_available(q)
     calls, real = [], norm_triton.rope_norm_rows
     norm_triton.rope_norm_rows = lambda *a, **kw: calls.append(1) or real(*a, **kw)
