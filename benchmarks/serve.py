@@ -190,10 +190,45 @@ def summarize(clients, records, wall, max_tokens) -> dict:
             "e2e_p50_s": percentile([r["e2e"] for r in done], 50)}
 
 
-def offline_floor(args, prompts) -> dict:
-    """The same requests through ``LLM.generate`` in this process, all at once, on the
-    engine the server had (its flags parsed by the serve CLI): the throughput the HTTP
-    layer is measured against."""
+def closed_loop(llm, prompts, params, clients: int) -> dict:
+    """The clients' arrival pattern without HTTP: ``clients`` threads, each calling
+    ``LLM.generate`` on one prompt after another (``generate`` is safe from several
+    threads), so a request enters the engine when an earlier one ends, as over HTTP.  What
+    the server loses against this row is the HTTP path's; what this row loses against the
+    all-at-once row is the engine's, on staggered arrivals (most steps then mix a prefill
+    with the decodes)."""
+    import threading
+
+    next_index = iter(range(len(prompts)))
+    lock, done = threading.Lock(), []
+
+    def worker():
+        while True:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                return
+            out = llm.generate([prompts[i]], params, use_tqdm=False)[0]
+            done.append(len(out.outputs[0].token_ids) == params.max_tokens)
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ok = sum(done)
+    return {"clients": f"{clients}, in process (closed loop)", "requests": len(prompts),
+            "completed": ok, "failed": len(prompts) - ok, "wall_s": wall,
+            "requests_per_s": ok / wall, "output_tokens_per_s": ok * params.max_tokens / wall}
+
+
+def offline_floor(args, prompts) -> list[dict]:
+    """The same requests through ``LLM.generate`` in this process on the engine the server
+    had (its flags parsed by the serve CLI): all at once (the throughput the HTTP layer is
+    measured against), then per client level in a closed loop (:func:`closed_loop`), which
+    splits the gap between the HTTP path and the engine's arrival pattern."""
     import argparse
 
     from chunklocal.engine.llm import LLM
@@ -213,10 +248,12 @@ def offline_floor(args, prompts) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     done = sum(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
+    rows = [{"clients": "offline LLM.generate", "requests": len(prompts), "completed": done,
+             "failed": len(prompts) - done, "wall_s": wall, "requests_per_s": done / wall,
+             "output_tokens_per_s": done * args.max_tokens / wall}]
+    rows += [closed_loop(llm, prompts, params, clients) for clients in args.clients]
     llm.core.shutdown()
-    return {"clients": "offline LLM.generate", "requests": len(prompts), "completed": done,
-            "failed": len(prompts) - done, "wall_s": wall, "requests_per_s": done / wall,
-            "output_tokens_per_s": done * args.max_tokens / wall}
+    return rows
 
 
 def main(argv=None) -> int:
@@ -246,7 +283,8 @@ def main(argv=None) -> int:
                    help="max_position_embeddings of --make-scout")
     p.add_argument("--offline-floor", action="store_true",
                    help="after the levels, stop the launched server and run the same requests "
-                   "offline (LLM.generate, all at once) on the same engine flags")
+                   "offline on the same engine flags: all at once (LLM.generate), then per "
+                   "level from as many threads in a closed loop, without HTTP")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
@@ -297,7 +335,7 @@ def _run(args, headers, proc) -> int:
         if proc is None:
             raise SystemExit("--offline-floor needs --launch (it builds the same engine)")
         print(f"server stopped with status {stop_server(proc)}; offline floor", flush=True)
-        rows.append(offline_floor(args, prompts))
+        rows += offline_floor(args, prompts)
     print(format_table(rows))
     for line in problems[:20]:
         print("FAILED", line)

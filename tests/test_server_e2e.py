@@ -397,3 +397,28 @@ def test_load_test_script_against_the_server(server, tmp_path):
         "vllm:generation_tokens_total"] >= 2 * 8 * 8
     assert after["vllm:time_to_first_token_seconds_count"] - before[
         "vllm:time_to_first_token_seconds_count"] >= 16
+
+
+def test_closed_loop_floor_completes_every_request_with_the_offline_tokens(llm):
+    """benchmarks/serve.py's in-process closed loop (the clients' arrival pattern without
+    HTTP): every request once, each with the tokens the offline engine gives it alone."""
+    from benchmarks import serve
+
+    prompts = [[(5 * i + j) % 200 + 3 for j in range(6 + i % 5)] for i in range(9)]
+    params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    seen, real = {}, llm.generate
+
+    def spy(batch, *a, **k):
+        outs = real(batch, *a, **k)
+        seen[tuple(batch[0])] = outs[0].outputs[0].token_ids
+        return outs
+
+    llm.generate = spy
+    try:
+        row = serve.closed_loop(llm, prompts, params, clients=3)
+    finally:
+        del llm.generate
+    assert (row["completed"], row["failed"], row["requests"]) == (9, 0, 9)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert seen == {tuple(p): w for p, w in zip(prompts, want)}
+    assert row["output_tokens_per_s"] == 9 * 7 / row["wall_s"]
