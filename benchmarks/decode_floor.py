@@ -131,13 +131,40 @@ def timed_steps(llm, steps: int, graphs: bool, device) -> list[float]:
     return times
 
 
+def replay_only_ms(graphs, replays_before, reps: int, device) -> float | None:
+    """Median milliseconds of replaying, alone, the CUDA graph the timed steps used (the
+    captured kernels and the gaps between them), or None without graphs.  A graph step's
+    time less this is what the step spends outside its graph: the host's preparation, the
+    static inputs' copies, sampling and the tokens' copy back.  Replaying again rewrites the
+    same KV slots with the same values."""
+    if graphs is None:
+        return None
+    used = graphs.replays - replays_before
+    if not used:
+        return None
+    graph = graphs.graphs[used.most_common(1)[0][0]]
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        graph.replay()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def decode_cell(llm, model, batch, context, args, rates, device) -> dict:
     fitted = fill(llm, batch, context, 3 * args.steps + 16)
     row = {"model": model, "batch": fitted, "asked_batch": batch, "context": context}
     if fitted == 0:
         return row | {"error": "no request fits the KV pool"}
     timed_steps(llm, 3, True, device)  # warm-up (graph replays, FlashInfer plans)
+    graphs = llm.runner.graphs
+    before = graphs.replays.copy() if graphs is not None else None
     graph = timed_steps(llm, args.steps, True, device)
+    replay_ms = replay_only_ms(graphs, before, args.steps, device)
     timed_steps(llm, 2, False, device)
     with floors.RoutingCounter() as routing:
         timed_steps(llm, 1, False, device)
@@ -151,6 +178,8 @@ def decode_cell(llm, model, batch, context, args, rates, device) -> dict:
     row.update(graph_ms=statistics.median(graph), eager_ms=statistics.median(eager),
                floor_ms=floor_ms, experts_per_moe_layer=routing.distinct, **need)
     row.update(graph_share=floor_ms / row["graph_ms"], eager_share=floor_ms / row["eager_ms"])
+    if replay_ms is not None:  # the step's time inside its graph, and outside it
+        row.update(graph_replay_ms=replay_ms, outside_graph_ms=row["graph_ms"] - replay_ms)
     if args.profile and batch in args.profile_batches:
         for mode in ("graphs", "eager"):
             row[f"profile_{mode}"] = floors.kernel_profile(

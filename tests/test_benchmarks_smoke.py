@@ -457,6 +457,28 @@ def test_decode_floor_smoke(tmp_path):
                                                                     ("unchunked", "eager")}
 
 
+def test_replay_only_times_the_graph_the_timed_steps_used():
+    """decode_floor.replay_only_ms replays, alone, the graph whose replay count the timed
+    steps raised (not one used before them), reps times; None without graphs or replays."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from benchmarks import decode_floor
+
+    replayed = []
+    graphs = SimpleNamespace(
+        replays=Counter({(64, 1): 9, (1, 1): 3}),
+        graphs={k: SimpleNamespace(replay=lambda k=k: replayed.append(k))
+                for k in [(1, 1), (64, 1)]})
+    before = graphs.replays.copy()
+    graphs.replays[(1, 1)] += 5  # the timed steps
+    cpu = torch.device("cpu")
+    assert decode_floor.replay_only_ms(graphs, before, 4, cpu) >= 0
+    assert replayed == [(1, 1)] * 4
+    assert decode_floor.replay_only_ms(graphs, graphs.replays.copy(), 4, cpu) is None
+    assert decode_floor.replay_only_ms(None, before, 4, cpu) is None
+
+
 def test_decode_floor_sizes_the_pool_from_memory_when_the_whole_batch_does_not_fit(
         tmp_path, monkeypatch):
     import torch
