@@ -358,3 +358,26 @@ def test_max_group_pages_flag_takes_only_booleans():
         bounds.max_group_pages(4, 64, 16, 256, 4, has_global_layers="no")
     assert bounds.max_group_pages(4, 64, 16, 256, 4, has_global_layers=np.bool_(False)) == \
         bounds.max_local_pages(4, 64, 16, 256, 4)
+
+
+@given(st.integers(1, 20_000), st.data())
+@settings(max_examples=300, deadline=None)
+def test_piecewise_buckets_pad_a_step_by_less_than_an_eighth(max_tokens, data):
+    """bounds.sizing.piecewise_buckets: every step size up to max_tokens has a bucket, the
+    largest is max_tokens itself, and the padding stays under 16 rows up to 128 tokens and
+    under T / 8 beyond (the docstring's bound, which a coarser spacing breaks)."""
+    from chunklocal.bounds.sizing import piecewise_buckets
+
+    buckets = piecewise_buckets(max_tokens)
+    assert buckets[-1] == max_tokens and list(buckets) == sorted(set(buckets))
+    tokens = data.draw(st.integers(1, max_tokens))
+    bucket = next(b for b in buckets if b >= tokens)
+    assert bucket - tokens < (16 if tokens <= 128 else tokens / 8), (tokens, bucket)
+    assert len(buckets) <= 8 + 8 * max(0, (max_tokens // 128).bit_length())
+
+
+def test_piecewise_buckets_refuse_no_tokens():
+    from chunklocal.bounds.sizing import piecewise_buckets
+
+    with pytest.raises(ValueError, match="max_tokens must be at least 1, got 0"):
+        piecewise_buckets(0)

@@ -165,3 +165,30 @@ def test_flashinfer_on_the_cpu_is_refused_without_the_widened_devices(ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match="attention_backend='flashinfer' needs a CUDA device"):
         chunklocal.LLM(path, attention_backend="flashinfer", **ENGINE)
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "merged"])
+def test_piecewise_graphs_equal_the_torch_backend(ckpt, hybrid, monkeypatch):
+    """Prefill and mixed steps in piecewise graphs (engine/piecewise_graphs.py, switched
+    on): the segments recorded by the stand-in recorder at every bucket, replayed with each
+    layer's attention run eagerly between them on the step's real rows; tokens and prompt
+    logits equal the torch backend's eager steps, padded buckets included, while decode
+    steps keep the whole-forward graphs."""
+    from chunklocal.bounds.sizing import piecewise_buckets
+    from chunklocal.engine import piecewise_graphs
+
+    monkeypatch.setattr(piecewise_graphs, "PIECEWISE_ENABLED", True)
+    path, _ = ckpt
+    kw = dict(ENGINE, hybrid_kv_cache=hybrid)
+    llm = StandinLLM(path, attention_backend="flashinfer", **kw)
+    pw = llm.runner.piecewise
+    assert pw is not None and pw.buckets == piecewise_buckets(ENGINE["max_num_batched_tokens"])
+    assert all(len(g) == len(llm.model.layers) + 1 for g in pw.graphs.values())
+    ref = chunklocal.LLM(path, attention_backend="torch", **kw)
+    prompts = motif_prompts(2)
+    assert llm.generate(prompts, max_new_tokens=20) == ref.generate(prompts, max_new_tokens=20)
+    assert llm.runner.piecewise_steps > 0 and pw.padding_rows > 0
+    assert len(pw.replays) > 1  # steps of several sizes
+    assert llm.runner.graph_steps > 0  # decodes: the whole-forward graphs
+    for got, want in zip(llm.prompt_logits(prompts), ref.prompt_logits(prompts), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -420,5 +420,5 @@ def test_closed_loop_floor_completes_every_request_with_the_offline_tokens(llm):
         del llm.generate
     assert (row["completed"], row["failed"], row["requests"]) == (9, 0, 9)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert seen == {tuple(p): w for p, w in zip(prompts, want)}
+    assert seen == {tuple(p): w for p, w in zip(prompts, want, strict=True)}
     assert row["output_tokens_per_s"] == 9 * 7 / row["wall_s"]

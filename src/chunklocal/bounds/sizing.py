@@ -109,6 +109,22 @@ def default_graph_batch_sizes(limit: int) -> tuple[int, ...]:
     return tuple(sorted(sizes | {limit}))
 
 
+def piecewise_buckets(max_tokens: int, step: int = 16, per_octave: int = 8) -> tuple[int, ...]:
+    """Token counts the piecewise graphs (engine/piecewise_graphs.py) are captured at, up to
+    and including ``max_tokens``: multiples of ``step`` up to ``step * per_octave``, then
+    ``per_octave`` evenly spaced sizes per power of two.  A step of T tokens runs at the
+    smallest bucket >= T, so padding adds less than 1 / per_octave of T from there on
+    (bucket b follows b - b / per_octave at most; below, less than ``step`` rows)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    sizes = set(range(step, step * per_octave + 1, step))
+    octave = step * per_octave
+    while octave < max_tokens:
+        sizes.update(range(octave, 2 * octave + 1, octave // per_octave))
+        octave *= 2
+    return tuple(sorted({b for b in sizes if b < max_tokens} | {max_tokens}))
+
+
 def graph_shapes(limits, cuda_graphs: bool, verify_len: int | None = None,
                  graph_batch_sizes=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(captured batch sizes, captured query lengths); both empty-ish without graphs."""

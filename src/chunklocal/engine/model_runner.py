@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from chunklocal.backends.base import AttentionStep, Kind
+from chunklocal.engine import piecewise_graphs
 from chunklocal.engine.block_manager import BlockManager
 from chunklocal.engine.cuda_graphs import CudaGraphs
 from chunklocal.engine.input_builder import InputBuilder, StepInputs
@@ -109,13 +110,24 @@ class ModelRunner(StepRunner):
         self._graph_args: tuple = ()
         self.graphs: CudaGraphs | None = None
         self.graph_steps = 0
+        #: Steps no whole-forward graph covers, in segments (CHUNKLOCAL_PIECEWISE_GRAPHS=1).
+        self.piecewise: piecewise_graphs.PiecewiseGraphs | None = None
+        self.piecewise_steps = 0
         self._bind_caches(kv_dtype)
 
-    def enable_cuda_graphs(self, batch_sizes, query_lens, recorder=None) -> None:
-        self._graph_args = (batch_sizes, query_lens, recorder)
+    def enable_cuda_graphs(self, batch_sizes, query_lens, recorder=None,
+                           max_tokens: int | None = None) -> None:
+        """Whole-forward graphs for decode and verify steps; with ``max_tokens`` (the
+        engine's max_num_batched_tokens) and the switch on, piecewise graphs for the
+        other steps up to that many tokens."""
+        self._graph_args = (batch_sizes, query_lens, recorder, max_tokens)
         self.graphs = CudaGraphs(self.model, self.graph_steps_for,
                                  [grp.scratch_page * self.block_size for grp in self.groups],
                                  batch_sizes, query_lens, self.device, recorder)
+        if (max_tokens and piecewise_graphs.PIECEWISE_ENABLED
+                and piecewise_graphs.supports(self.model)):
+            self.piecewise = piecewise_graphs.PiecewiseGraphs(self.model, max_tokens,
+                                                              self.device, recorder)
 
     def graph_steps_for(self, batch_size: int, query_len: int, slot_mappings):
         """Steps a (B, q) graph captures: each backend's own capture metadata (all
@@ -185,6 +197,9 @@ class ModelRunner(StepRunner):
         if layout is not None and self.graphs is not None:
             self.graph_steps += 1
             return self.graphs.replay(layout, input_ids, inputs.positions, slots)
+        if self.piecewise is not None and self.piecewise.bucket_for(input_ids.shape[0]):
+            self.piecewise_steps += 1
+            return self.piecewise.run(input_ids, inputs.positions, steps)
         return self.model(input_ids, to_device(inputs.positions, self.device), steps)
 
     def _calibrating_forward(self, input_ids, inputs: StepInputs, steps):
@@ -196,7 +211,7 @@ class ModelRunner(StepRunner):
         hidden = self.model(input_ids, to_device(inputs.positions, self.device), steps)
         self.kv_calibration_pending = False
         if self.graphs is not None:  # the old graphs' pool goes before the new one is made
-            self.graphs = None
+            self.graphs = self.piecewise = None
             gc.collect()
             self.enable_cuda_graphs(*self._graph_args)
         return hidden

@@ -75,7 +75,7 @@ def build_runner(setup: RunnerSetup, model, device, block_manager=None,
     runner.kv_calibration_pending = setup.calculate_kv_scales
     if setup.cuda_graphs and capture_graphs:
         runner.enable_cuda_graphs(backends[0].graph_batch_sizes, backends[0].graph_query_lens,
-                                  setup.graph_recorder)
+                                  setup.graph_recorder, setup.limits.max_num_batched_tokens)
     return runner
 
 
@@ -126,8 +126,9 @@ def profile_run(setup: RunnerSetup, model, device, memory: DeviceMemory,
         #                     dropped: what the graphs hold at the peak of their capture
         first = runner.backends[0]
         graphs = peak_of(memory, partial(runner.enable_cuda_graphs, first.graph_batch_sizes,
-                                         first.graph_query_lens, setup.graph_recorder))
-        runner.graphs = None
+                                         first.graph_query_lens, setup.graph_recorder,
+                                         lim.max_num_batched_tokens))
+        runner.graphs = runner.piecewise = None
     for layer in model.layers:  # the profile's pages go; the engine's runner binds its own
         layer.self_attn.k_cache = layer.self_attn.v_cache = None
     made.clear()  # the profile's runner and buffers go too

@@ -140,6 +140,13 @@ class Attention(nn.Module):
     def forward(self, x, q_scale, freqs_cis, step: AttentionStep):
         """``q_scale``: the step's query temperature per token (:func:`query_temperature`),
         the same for every NoPE layer, so computed once per step."""
+        q, k, v = self.project(x, q_scale, freqs_cis)
+        return self.output(self.attend(q, k, v, step), x.dtype)
+
+    def project(self, x, q_scale, freqs_cis):
+        """Queries, keys and values of ``x [T, hidden]``: ``[T, heads, head_dim]`` each, rope,
+        QK norm and temperature applied.  Row by row: what a piecewise graph captures
+        (engine/piecewise_graphs.py) before the attention."""
         t = x.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -153,6 +160,12 @@ class Attention(nn.Module):
             k = rope_heads(k, freqs_cis, self.qk_norm_eps)
         if self.temperature is not None:
             q = (q * q_scale).to(q.dtype)
+        return q, k, v
+
+    def attend(self, q, k, v, step: AttentionStep):
+        """The step's attention: K and V written to the cache, the backend's output
+        ``[T, heads, head_dim]``.  The only part of a layer that reads the step's request
+        layout (its metadata), so piecewise graphs run it eagerly between segments."""
         # Keys and values go to the cache first: the step's queries read them
         # back through the block table like every earlier token's.
         k_cache, v_cache = self.k_cache, self.v_cache
@@ -175,7 +188,12 @@ class Attention(nn.Module):
             flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
             out = step.backend.forward(step.metadata, q, k_cache, v_cache, self.scale,
                                        kind=step.kind)
-        out = self.o_proj(out.reshape(t, -1).to(x.dtype))
+        return out
+
+    def output(self, out, dtype):
+        """o_proj of the attention's output ``[T, heads, head_dim]`` (or ``[T, heads *
+        head_dim]``), summed over the tensor-parallel ranks."""
+        out = self.o_proj(out.reshape(out.shape[0], -1).to(dtype))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
@@ -249,9 +267,19 @@ class DecoderLayer(nn.Module):
         (``residual``; None before the first layer, where ``h`` is the embeddings), so each
         add meets the norm after it in one place (:func:`add_rms_norm`).  Returns this
         layer's feed-forward output and the residual stream it has not been added to."""
-        step = steps[self.self_attn.kind]
+        q, k, v, residual = self.before_attention(h, residual, q_scale, freqs_cis)
+        out = self.self_attn.attend(q, k, v, steps[self.self_attn.kind])
+        return self.after_attention(out, residual)
+
+    def before_attention(self, h, residual, q_scale, freqs_cis):
+        """The input norm and the attention's projections: ``(q, k, v, residual)``."""
         normed, residual = add_rms_norm(h, residual, self.input_layernorm)
-        h = self.self_attn(normed, q_scale, freqs_cis, step)
+        q, k, v = self.self_attn.project(normed, q_scale, freqs_cis)
+        return q, k, v, residual
+
+    def after_attention(self, out, residual):
+        """o_proj, the norm and the feed-forward: ``(h, residual)`` as :meth:`forward`."""
+        h = self.self_attn.output(out, residual.dtype)
         normed, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
         return self.feed_forward(normed), residual
 
@@ -302,13 +330,18 @@ class Llama4ForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, steps: dict[Kind, AttentionStep]):
         """input_ids, positions: [tokens]; returns final-normed hidden states [tokens, H]."""
-        angles = positions.float()[:, None] * self._inv_freq[None, :]
-        freqs_cis = torch.polar(torch.ones_like(angles), angles) * self._rope_scaling
-        q_scale = query_temperature(self.config, positions)
+        freqs_cis, q_scale = self.rope_inputs(positions)
         h, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             h, residual = layer(h, residual, q_scale, freqs_cis, steps)
         return add_rms_norm(h, residual, self.model.norm)[0]
+
+    def rope_inputs(self, positions):
+        """The step's rope factors ``freqs_cis [T, head_dim / 2]`` (complex64) and the NoPE
+        layers' query temperature (:func:`query_temperature`), shared by every layer."""
+        angles = positions.float()[:, None] * self._inv_freq[None, :]
+        freqs_cis = torch.polar(torch.ones_like(angles), angles) * self._rope_scaling
+        return freqs_cis, query_temperature(self.config, positions)
 
     def compute_logits(self, hidden):
         logits = self.lm_head(hidden)
