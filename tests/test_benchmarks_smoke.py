@@ -457,6 +457,18 @@ def test_decode_floor_smoke(tmp_path):
                                                                     ("unchunked", "eager")}
 
 
+def test_mixed_step_smoke_times_only_mixed_steps(tmp_path):
+    """benchmarks/mixed_step.py --smoke: every timed step is the decodes plus one chunk of
+    the long prompt (3 + 24 tokens), eager on the CPU (piecewise graphs need CUDA)."""
+    from benchmarks import mixed_step
+
+    assert mixed_step.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "mixed_step_smoke.json")
+    assert data["step_tokens"] == [3 + 24]
+    assert [(r["mode"], r["decodes"]) for r in data["rows"]] == [("eager", 3)]
+    assert data["rows"][0]["step_ms"] > 0
+
+
 def test_replay_only_times_the_graph_the_timed_steps_used():
     """decode_floor.replay_only_ms replays, alone, the graph whose replay count the timed
     steps raised (not one used before them), reps times; None without graphs or replays."""

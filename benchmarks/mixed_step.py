@@ -1,0 +1,140 @@
+"""Mixed steps, eager against piecewise CUDA graphs: step time and device idle (issue 20).
+
+Traffic: ``--decodes`` requests (63) decoding at ``--context`` (1024) tokens, beside one
+request whose random ``--chunk``-sized (2048) prompt chunks prefill one per step: every
+timed step is 63 decodes plus a 2048-token chunk, the step a busy server runs most.  The
+engine's ``max_num_batched_tokens`` is decodes + chunk, so the scheduler makes exactly that
+step.  Dummy weights with spread routing (``floors.routing``), the 4-layer Scout geometry by
+default (``--model``, as benchmarks/decode_floor.py names them).
+
+One engine, its piecewise graphs captured at start-up (engine/piecewise_graphs.py, switched
+on here); the two modes alternate in blocks of ``--steps`` steps (the long prompt's prefix,
+so its attention, grows as they go): "eager" runs the step's forward op by op,
+"piecewise" replays the segments with the attention between them.  Step time is
+``ModelRunner.run`` (host preparation, forward, sampling, the tokens on the host); then
+torch.profiler gives the device's busy and idle time per step in each mode.  Issue 20's
+target: idle at most 10% of the step.
+
+    python -m benchmarks.mixed_step --out $OUT
+    python -m benchmarks.mixed_step --smoke          # CPU: eager only, checks the logic
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import floors
+from benchmarks.common import base_parser, format_table, guarded, write_json
+from benchmarks.decode_floor import MODELS, admit, fill, write_config
+
+
+def make_engine(path, device, args):
+    import chunklocal
+    from chunklocal.engine import piecewise_graphs
+
+    piecewise_graphs.PIECEWISE_ENABLED = device.type == "cuda"  # read at graph capture
+    steps = 4 * args.repeats * args.steps + 8
+    max_len = max(args.context + steps + 64, args.chunk * steps)
+    pages = (args.decodes * -(-(args.context + steps + 64) // 16) + -(-max_len // 16)
+             + args.decodes + 16)
+    return chunklocal.LLM(path, device=str(device), load_format="dummy",
+                          dtype=None if device.type == "cuda" else torch.float32,
+                          max_num_seqs=args.decodes + 1, max_model_len=max_len,
+                          max_num_batched_tokens=args.decodes + args.chunk,
+                          num_kv_blocks=pages, cuda_graphs=device.type == "cuda")
+
+
+def mixed_steps(llm, count: int, piecewise: bool, device) -> list[tuple[float, int]]:
+    """(ms, tokens) of ``count`` steps, with the piecewise graphs or eagerly."""
+    runner, sched = llm.runner, llm.scheduler
+    saved = runner.piecewise
+    runner.piecewise = saved if piecewise else None
+    out = []
+    try:
+        for _ in range(count):
+            batch = sched.schedule()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            result = runner.run(batch)
+            out.append(((time.perf_counter() - start) * 1e3, int(sum(batch.num_new))))
+            sched.postprocess(batch, result.tokens, frozenset())
+    finally:
+        runner.piecewise = saved
+    return out
+
+
+def run(args, device) -> dict:
+    from chunklocal.engine.sampling import SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = make_engine(write_config(Path(tmp) / args.model, args.model), device, args)
+    steps = 4 * args.repeats * args.steps + 8
+    fitted = fill(llm, args.decodes, args.context, steps + 32)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, llm.config.vocab_size, args.chunk * steps).tolist()
+    admit(llm, args.decodes, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    modes = ("eager", "piecewise") if llm.runner.piecewise is not None else ("eager",)
+    for mode in modes:  # warm-up: first-use costs of each mode
+        mixed_steps(llm, 2, mode == "piecewise", device)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    tokens = set()
+    for _ in range(args.repeats):
+        for mode in modes:
+            for ms, n in mixed_steps(llm, args.steps, mode == "piecewise", device):
+                times[mode].append(ms)
+                tokens.add(n)
+    rows = []
+    for mode in modes:
+        profile = floors.kernel_profile(
+            lambda m=mode: mixed_steps(llm, 1, m == "piecewise", device), 3, device)
+        row = {"model": args.model, "mode": mode, "decodes": fitted, "chunk": args.chunk,
+               "step_ms": statistics.median(times[mode]),
+               "min_ms": min(times[mode]), "max_ms": max(times[mode])}
+        busy, idle = (profile.get("device_busy_ms_per_step"),
+                      profile.get("device_idle_ms_per_step"))
+        if busy is not None and idle is not None:
+            row.update(busy_ms=busy, idle_ms=idle, idle_share=idle / (busy + idle))
+        row["classes_per_step"] = profile["classes_per_step"]
+        rows.append(row)
+    if llm.runner.piecewise is not None:
+        rows[-1]["replays_by_bucket"] = dict(llm.runner.piecewise.replays)
+    llm.shutdown()
+    return {"rows": rows, "step_tokens": sorted(tokens)}
+
+
+def main(argv=None) -> int:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--model", default="scout4", choices=sorted(MODELS))
+    parser.add_argument("--decodes", type=int, default=63)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5, help="steps per mode per block")
+    parser.add_argument("--routing", choices=("balanced", "model"), default="balanced")
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or 3
+    if args.smoke:
+        args.model, args.decodes, args.context, args.chunk = "smoke", 3, 40, 24
+        args.steps, args.repeats = 2, 1
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    errors: list = []
+    with floors.routing(args.routing):
+        result = guarded("mixed steps", lambda: run(args, device), errors)
+    result = result or {"rows": [], "step_tokens": []}
+    print(format_table([{k: v for k, v in r.items() if not isinstance(v, dict)}
+                        for r in result["rows"]]))
+    path = write_json("mixed_step_smoke" if args.smoke else "mixed_step",
+                      {"args": vars(args), **result, "errors": errors}, args.out)
+    print(f"wrote {path}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
