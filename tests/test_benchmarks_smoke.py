@@ -469,6 +469,28 @@ def test_mixed_step_smoke_times_only_mixed_steps(tmp_path):
     assert data["rows"][0]["step_ms"] > 0
 
 
+def test_overlap_decode_smoke_checks_equal_outputs(tmp_path, monkeypatch):
+    """benchmarks/overlap_decode.py --smoke: both modes at both batches, a decode time
+    each, and the outputs compared across modes (a changed output is an error row)."""
+    from benchmarks import overlap_decode
+
+    assert overlap_decode.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "overlap_decode_smoke.json")
+    assert [(r["batch"], r["async_scheduling"]) for r in data["rows"]] == [
+        (1, False), (1, True), (3, False), (3, True)]
+    assert all(r["decode_ms"] > 0 for r in data["rows"])
+    real = overlap_decode.timed_generate
+
+    def flipped(llm, prompts, new, device):  # async_scheduling's run gives other tokens
+        seconds, outs = real(llm, prompts, new, device)
+        return seconds, [o[::-1] for o in outs] if llm.async_scheduling else outs
+
+    monkeypatch.setattr(overlap_decode, "timed_generate", flipped)
+    assert overlap_decode.main(["--smoke", "--out", str(tmp_path)]) == 1
+    assert "async_scheduling changed the outputs" in str(
+        json.loads((tmp_path / "overlap_decode_smoke.json").read_text())["errors"])
+
+
 def test_replay_only_times_the_graph_the_timed_steps_used():
     """decode_floor.replay_only_ms replays, alone, the graph whose replay count the timed
     steps raised (not one used before them), reps times; None without graphs or replays."""
