@@ -112,23 +112,30 @@ def fill(llm, batch: int, context: int, new: int) -> int:
     return len(sched.running)
 
 
+def step_times(llm, steps: int, device) -> list[tuple[float, int]]:
+    """(milliseconds, tokens) of the next ``steps`` steps the scheduler makes, each timed
+    around ``ModelRunner.run`` (host preparation, forward, sampling, tokens on the host)."""
+    runner, sched = llm.runner, llm.scheduler
+    times = []
+    for _ in range(steps):
+        batch = sched.schedule()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = runner.run(batch)  # returns host tokens: the step is over
+        times.append(((time.perf_counter() - start) * 1e3, int(sum(batch.num_new))))
+        sched.postprocess(batch, out.tokens, frozenset())
+    return times
+
+
 def timed_steps(llm, steps: int, graphs: bool, device) -> list[float]:
     """Milliseconds of ``steps`` decode steps of every running request."""
-    runner, sched = llm.runner, llm.scheduler
+    runner = llm.runner
     saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
-    times = []
     try:
-        for _ in range(steps):
-            batch = sched.schedule()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            out = runner.run(batch)  # returns host tokens: the step is over
-            times.append((time.perf_counter() - start) * 1e3)
-            sched.postprocess(batch, out.tokens, frozenset())
+        return [ms for ms, _ in step_times(llm, steps, device)]
     finally:
         runner.graphs = saved
-    return times
 
 
 def replay_only_ms(graphs, replays_before, reps: int, device) -> float | None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ import torch
 
 from benchmarks import floors
 from benchmarks.common import base_parser, format_table, guarded, write_json
-from benchmarks.decode_floor import MODELS, admit, fill, write_config
+from benchmarks.decode_floor import MODELS, admit, fill, step_times, write_config
 
 
 def make_engine(path, device, args):
@@ -53,22 +52,13 @@ def make_engine(path, device, args):
 
 def mixed_steps(llm, count: int, piecewise: bool, device) -> list[tuple[float, int]]:
     """(ms, tokens) of ``count`` steps, with the piecewise graphs or eagerly."""
-    runner, sched = llm.runner, llm.scheduler
+    runner = llm.runner
     saved = runner.piecewise
     runner.piecewise = saved if piecewise else None
-    out = []
     try:
-        for _ in range(count):
-            batch = sched.schedule()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            result = runner.run(batch)
-            out.append(((time.perf_counter() - start) * 1e3, int(sum(batch.num_new))))
-            sched.postprocess(batch, result.tokens, frozenset())
+        return step_times(llm, count, device)
     finally:
         runner.piecewise = saved
-    return out
 
 
 def run(args, device) -> dict:

@@ -14,15 +14,16 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
+from gpu_rows import spread_rows  # noqa: E402
+
 from chunklocal.models import moe_triton, quant_triton  # noqa: E402
 from chunklocal.models.quant import FP8, fp8_linear, quantize_per_token  # noqa: E402
 
 
 def rows(m, k, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m).view(-1, 1)
+    x = spread_rows(m, k, seed, decades=3)
     x[0] = 0.0  # the amax floor
-    return x.bfloat16().cuda()
+    return x
 
 
 def same_bits(got, want):

@@ -16,14 +16,14 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
+from gpu_rows import spread_rows  # noqa: E402
+
 from chunklocal.models import norm_triton  # noqa: E402
 from chunklocal.models.llama4 import RMSNorm, add_rms_norm, rope_heads  # noqa: E402
 
 
 def rows(m, n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, n, generator=gen) * torch.logspace(-2, 2, m).view(-1, 1)
-    return x.bfloat16().cuda()
+    return spread_rows(m, n, seed, decades=2)
 
 
 def norm_of(n, seed):
