@@ -389,3 +389,30 @@ def test_calculate_kv_scales_needs_fp8_pages(ckpt):
     with pytest.raises(ValueError, match="calculate_kv_scales"):
         chunklocal.LLM(ckpt, calculate_kv_scales="yes", kv_cache_dtype="fp8", **ENGINE)
     assert LLM_FLAGS["calculate_kv_scales"] == "calculate_kv_scales"
+
+
+@pytest.mark.parametrize("calibrate", [False, True], ids=["scales", "calculate_kv_scales"])
+def test_piecewise_graphs_over_fp8_pages(ckpt, standin, monkeypatch, calibrate):
+    """Piecewise graphs (engine/piecewise_graphs.py) with an FP8 KV cache: the eager
+    attention between segments writes and reads e4m3 pages with each layer's scales; with
+    calculate_kv_scales the first step calibrates eagerly and both kinds of graphs are
+    captured again.  Tokens equal an eager engine's (the torch backend, or the stand-in
+    without graphs when calibrating)."""
+    from chunklocal.engine import piecewise_graphs
+
+    monkeypatch.setattr(piecewise_graphs, "PIECEWISE_ENABLED", True)
+    kw = dict(ENGINE, kv_cache_dtype="fp8", dtype=torch.float32,
+              calculate_kv_scales=calibrate)
+    prompts = motif_prompts(4)
+    fi = StandinLLM(ckpt, attention_backend="flashinfer", **kw)
+    first = fi.runner.piecewise
+    assert first is not None
+    if calibrate:
+        ref = StandinLLM(ckpt, attention_backend="flashinfer", cuda_graphs=False, **kw)
+    else:
+        ref = chunklocal.LLM(ckpt, attention_backend="torch", **kw)
+        for llm in (fi, ref):
+            _set_scales(llm, 0.5, 0.25)
+    assert fi.generate(prompts, max_new_tokens=16) == ref.generate(prompts, max_new_tokens=16)
+    assert fi.runner.piecewise_steps > 0
+    assert (fi.runner.piecewise is not first) == calibrate  # captured again after calibrating
