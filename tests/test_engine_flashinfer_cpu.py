@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 
 import flashinfer_standin
+import numpy as np
 import pytest
 import torch
 from llama4_tiny import hf_greedy, write_tiny_llama4
@@ -192,3 +193,18 @@ def test_piecewise_graphs_equal_the_torch_backend(ckpt, hybrid, monkeypatch):
     assert llm.runner.graph_steps > 0  # decodes: the whole-forward graphs
     for got, want in zip(llm.prompt_logits(prompts), ref.prompt_logits(prompts), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_piecewise_bucket_choice_and_a_step_past_the_largest(ckpt, monkeypatch):
+    """PiecewiseGraphs.bucket_for: the smallest bucket holding the step, None for an empty
+    step or one past the largest; run() refuses such a step naming both sizes."""
+    from chunklocal.engine import piecewise_graphs
+
+    monkeypatch.setattr(piecewise_graphs, "PIECEWISE_ENABLED", True)
+    path, _ = ckpt
+    pw = StandinLLM(path, attention_backend="flashinfer", **ENGINE).runner.piecewise
+    assert pw.buckets == (16, 32, 48)
+    assert [pw.bucket_for(n) for n in (0, 1, 16, 17, 48, 49)] == [None, 16, 16, 32, 48, None]
+    with pytest.raises(ValueError, match="a step of 49 tokens exceeds the largest piecewise "
+                                         "bucket 48"):
+        pw.run(torch.zeros(49, dtype=torch.long), np.zeros(49, dtype=np.int64), {})
