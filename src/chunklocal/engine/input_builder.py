@@ -36,6 +36,11 @@ class StepInputs:
     logit_owner: np.ndarray     # request of each logit row
     num_drafts: np.ndarray      # [N] speculative tokens per request
 
+    def row_bounds(self) -> np.ndarray:
+        """[N+1]: request i's sampled rows are ``row_bounds[i]:row_bounds[i + 1]`` of the
+        step's logit rows (``logit_owner`` is sorted)."""
+        return np.searchsorted(self.logit_owner, np.arange(len(self.seq_lens) + 1))
+
 
 @dataclass
 class HostStep:

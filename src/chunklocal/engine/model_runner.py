@@ -185,7 +185,7 @@ class ModelRunner(StepRunner):
             self.builder.store_captured(batch.seqs, inputs, rows, logits)
         rows = hidden[to_device(inputs.logit_rows, self.device)]
         sample = self.sampler.launch(self.logits(rows), batch.seqs, inputs.logit_owner)
-        bounds = np.searchsorted(inputs.logit_owner, np.arange(len(batch.seqs) + 1))
+        bounds = inputs.row_bounds()
         return LaunchedStep(batch, sample, bounds, layout is not None)
 
     def forward(self, inputs: StepInputs, tables, slots, input_ids, layout):

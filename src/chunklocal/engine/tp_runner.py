@@ -133,7 +133,7 @@ class RemoteRunner(StepRunner):
                                         out.logits)
         for i, state in out.generator_states.items():
             batch.seqs[i].generator = state
-        bounds = np.searchsorted(step.inputs.logit_owner, np.arange(len(batch.seqs) + 1))
+        bounds = step.inputs.row_bounds()
         return LaunchedStep(batch, _Sampled(out.sample), bounds, out.used_graph)
 
     def execute(self, step: DeviceStep) -> StepResult:
