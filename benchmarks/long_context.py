@@ -150,8 +150,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp, floors.BalancedRouting():
         path = decode_floor.write_config(Path(tmp) / model, model)
 
+        def replace_partial(row):  # the latest progress row gives way to the next row
+            rows[:] = [r for r in rows if not r.get("partial")] + [row]
+
         def progress(partial):
-            rows[:] = [r for r in rows if not r.get("partial")] + [partial]
+            replace_partial(partial)
             print(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in partial.items()), flush=True)
             save()
@@ -163,8 +166,7 @@ def main(argv=None) -> int:
         for case, fn in cases:
             row = guarded(case, fn, errors)
             if row:
-                rows[:] = [r for r in rows if not r.get("partial")]
-                rows.append(row)
+                replace_partial(row)
                 print(format_table([row]), flush=True)
             save()
             gc.collect()
