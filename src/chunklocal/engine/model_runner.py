@@ -211,9 +211,12 @@ class ModelRunner(StepRunner):
         hidden = self.model(input_ids, to_device(inputs.positions, self.device), steps)
         self.kv_calibration_pending = False
         if self.graphs is not None:  # the old graphs' pool goes before the new one is made
+            args, piecewise = self._graph_args, self.piecewise
             self.graphs = self.piecewise = None
             gc.collect()
-            self.enable_cuda_graphs(*self._graph_args)
+            self.enable_cuda_graphs(*args[:3])
+            # Piecewise segments hold no scale (the KV writes between them run eagerly)
+            self._graph_args, self.piecewise = args, piecewise
         return hidden
 
     def logits(self, hidden):
