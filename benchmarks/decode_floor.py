@@ -15,8 +15,11 @@ preparation, the forward, sampling and the copy of the tokens to the host).  A c
 does not fit runs the largest batch that does.  The floor of a step is the bytes it must read
 (benchmarks/floors.py: dense weights, the experts its tokens chose -- counted in an untimed
 eager step --, the LM head, the KV) at the copy rate measured in the same run; of a prefill,
-its FLOPs at the matmul rate measured in the same run.  ``--profile`` adds torch.profiler's
-device time per kernel and the device's idle time per step, for graphs and eager.
+its FLOPs at the matmul rate measured in the same run.  Each row also gives the step's CUDA
+graph replayed alone (``graph_replay_ms``) and the step's time outside it
+(``outside_graph_ms``: host preparation, input copies, sampling, the tokens' copy back).
+``--profile`` adds torch.profiler's device time per kernel and the device's idle time per
+step, for graphs and eager.
 ``--alternate N``: the chunked model against the same weights with chunking off (both read the
 same KV at contexts under the chunk), N alternated repeats, the spread reported.
 
