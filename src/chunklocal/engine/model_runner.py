@@ -120,14 +120,18 @@ class ModelRunner(StepRunner):
         """Whole-forward graphs for decode and verify steps; with ``max_tokens`` (the
         engine's max_num_batched_tokens) and the switch on, piecewise graphs for the
         other steps up to that many tokens."""
-        self._graph_args = (batch_sizes, query_lens, recorder, max_tokens)
-        self.graphs = CudaGraphs(self.model, self.graph_steps_for,
-                                 [grp.scratch_page * self.block_size for grp in self.groups],
-                                 batch_sizes, query_lens, self.device, recorder)
+        self._graph_args = (batch_sizes, query_lens, recorder)
+        self._capture_whole_graphs()
         if (max_tokens and piecewise_graphs.PIECEWISE_ENABLED
                 and piecewise_graphs.supports(self.model)):
             self.piecewise = piecewise_graphs.PiecewiseGraphs(self.model, max_tokens,
                                                               self.device, recorder)
+
+    def _capture_whole_graphs(self) -> None:
+        batch_sizes, query_lens, recorder = self._graph_args
+        self.graphs = CudaGraphs(self.model, self.graph_steps_for,
+                                 [grp.scratch_page * self.block_size for grp in self.groups],
+                                 batch_sizes, query_lens, self.device, recorder)
 
     def graph_steps_for(self, batch_size: int, query_len: int, slot_mappings):
         """Steps a (B, q) graph captures: each backend's own capture metadata (all
@@ -211,12 +215,11 @@ class ModelRunner(StepRunner):
         hidden = self.model(input_ids, to_device(inputs.positions, self.device), steps)
         self.kv_calibration_pending = False
         if self.graphs is not None:  # the old graphs' pool goes before the new one is made
-            args, piecewise = self._graph_args, self.piecewise
-            self.graphs = self.piecewise = None
+            self.graphs = None
             gc.collect()
-            self.enable_cuda_graphs(*args[:3])
-            # Piecewise segments hold no scale (the KV writes between them run eagerly)
-            self._graph_args, self.piecewise = args, piecewise
+            # Only the whole-forward graphs hold the scales (in their KV writes); piecewise
+            # segments hold none (the KV writes between them run eagerly) and are kept.
+            self._capture_whole_graphs()
         return hidden
 
     def logits(self, hidden):

@@ -58,12 +58,12 @@ class PiecewiseGraphs:
     ``recorder`` (None: :class:`CudaGraphRecorder` on ``device``)."""
 
     def __init__(self, model, max_tokens: int, device,
-                 recorder: GraphRecorder | None = None, buckets=None):
-        self.model, self.device = model, torch.device(device)
+                 recorder: GraphRecorder | None = None):
+        self.model = model
         self.layers = list(model.layers)
         self.recorder: GraphRecorder = (CudaGraphRecorder(device) if recorder is None
                                         else recorder)
-        self.buckets = tuple(sorted(buckets or piecewise_buckets(max_tokens)))
+        self.buckets = piecewise_buckets(max_tokens)
         rows = self.buckets[-1]
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)

@@ -67,7 +67,7 @@ def add_rms_norm(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
     is switched on and runs; torch's add and ``RMSNorm`` otherwise (the same arithmetic)."""
     import chunklocal.models.norm_triton as norm_triton
 
-    if norm_triton.NORM_ENABLED and norm_triton.norm_available(h):  # off: no call there
+    if norm_triton.norm_available(h):  # the switch is part of the check
         return norm_triton.add_rms_norm_rows(h, residual, norm.weight, norm.eps)
     total = h if residual is None else residual + h
     return norm(total), total
@@ -105,9 +105,8 @@ class Attention(nn.Module):
         self.use_rope = bool(config.no_rope_layers[layer_idx])
         self.kind = layer_kind(config, layer_idx)
         self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
-        self.temperature = None
-        if config.attn_temperature_tuning and not self.use_rope:
-            self.temperature = (float(config.floor_scale), float(config.attn_scale))
+        # NoPE layers scale their queries by the step's query_temperature
+        self.temperature_tuning = bool(config.attn_temperature_tuning) and not self.use_rope
         bias = config.attention_bias
         hidden, hd = config.hidden_size, self.head_dim
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -158,7 +157,7 @@ class Attention(nn.Module):
         if self.use_rope:  # Llama-4's QK norm is on rope layers only
             q = rope_heads(q, freqs_cis, self.qk_norm_eps)
             k = rope_heads(k, freqs_cis, self.qk_norm_eps)
-        if self.temperature is not None:
+        if self.temperature_tuning:
             q = (q * q_scale).to(q.dtype)
         return q, k, v
 
@@ -218,7 +217,7 @@ def rope_heads(x: torch.Tensor, freqs_cis: torch.Tensor, qk_norm_eps: float | No
     and runs, torch's ops otherwise."""
     import chunklocal.models.norm_triton as norm_triton
 
-    if norm_triton.NORM_ENABLED and norm_triton.rope_available(x):
+    if norm_triton.rope_available(x):
         return norm_triton.rope_norm_rows(x, freqs_cis, qk_norm_eps)
     x = _rotate(x, freqs_cis)
     return x if qk_norm_eps is None else _rms(x, qk_norm_eps)
