@@ -21,6 +21,7 @@ quantized layer's input fake-quantized per token: the math the FP8 kernels do.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 
@@ -28,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.nn import functional as F
 
 SCOUT = dict(  # Llama-4-Scout-17B-16E-Instruct's text_config, shrunk (sizes only)
     attention_bias=False, attention_chunk_size=32, attention_dropout=0.0, attn_scale=0.5,
@@ -288,3 +290,69 @@ def _fake_quant_experts(module, scale_ub):
         out = torch.bmm(fake_quant(up * module.act_fn(gate), scale_ub), module.down_proj)
         return out.view(-1, module.hidden_size)
     return forward
+
+
+# -- routing: where the engine and an oracle chose different experts -----------------------
+
+@contextlib.contextmanager
+def routing_trace(model: nn.Module):
+    """Collects, while open, the router logits of every MoE layer of ``model`` (transformers'
+    or this library's: a Linear named ``*.router``), recomputed from each call's input in the
+    router's own dtype.  Yields ``{layer name: [[T, E] float32 per call]}``, layers in model
+    order; graph replays call no hook, so only eager forwards are seen."""
+    calls: dict[str, list[torch.Tensor]] = {}
+
+    def hook(name):
+        def record(module, args):
+            x = args[0].reshape(-1, module.weight.shape[1])
+            calls[name].append(F.linear(x, module.weight).float())
+        return record
+
+    handles = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "router" and isinstance(module, nn.Linear):
+            calls[name] = []
+            handles.append(module.register_forward_pre_hook(hook(name)))
+    if not handles:
+        raise ValueError(f"{type(model).__name__} has no Linear named '*.router'")
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def routing_logits(trace: dict, tokens: int) -> list[torch.Tensor]:
+    """Per MoE layer, the logits of the first ``tokens`` rows routed (calls in order: a
+    prompt's positions, however many steps its prefill took)."""
+    out = []
+    for name, calls in trace.items():
+        rows = torch.cat(calls) if calls else torch.empty(0)
+        if rows.shape[0] < tokens:
+            raise ValueError(f"{name} routed {rows.shape[0]} rows, fewer than the {tokens} "
+                             "asked for (a graph replay hides its calls)")
+        out.append(rows[:tokens].cpu())
+    return out
+
+
+def routing_flips(want: list[torch.Tensor], got: list[torch.Tensor], top_k: int):
+    """(flipped [T] bool, closeness [T] float) of two runs' router logits (``routing_logits``,
+    same layers and tokens): ``flipped`` where some layer chose a different set of ``top_k``
+    experts in ``got`` than in ``want``; ``closeness`` is, over those layers, the smallest
+    ``want`` margin (k-th minus (k+1)-th logit) divided by that layer's median margin (inf
+    where nothing flipped).  Rounding can only flip near-ties, so real flips have small
+    closeness; a wrong router flips tokens at any margin."""
+    if len(want) != len(got) or any(a.shape != b.shape for a, b in zip(want, got, strict=False)):
+        raise ValueError(f"routing of different shapes: {[tuple(a.shape) for a in want]} "
+                         f"against {[tuple(b.shape) for b in got]}")
+    flipped = torch.zeros(want[0].shape[0], dtype=torch.bool)
+    closeness = torch.full(flipped.shape, float("inf"))
+    for a, b in zip(want, got, strict=True):
+        top = a.topk(top_k + 1, dim=-1)
+        differ = (top.indices[:, :top_k].sort(-1).values
+                  != b.topk(top_k, dim=-1).indices.sort(-1).values).any(-1)
+        margin = top.values[:, top_k - 1] - top.values[:, top_k]
+        relative = margin / margin.median().clamp_min(torch.finfo(margin.dtype).tiny)
+        flipped |= differ
+        closeness = torch.where(differ, torch.minimum(closeness, relative), closeness)
+    return flipped, closeness

@@ -23,6 +23,9 @@ from llama4_published import (
     hf_generate,
     hf_model,
     read_tensors,
+    routing_flips,
+    routing_logits,
+    routing_trace,
     write_maverick_fbgemm,
     write_published,
 )
@@ -126,6 +129,40 @@ def test_compressed_tensors_fp8_dynamic(scout, tmp_path):
     assert fp8.shared_expert.down_proj.weight.dtype == torch.float8_e4m3fn
     assert llm.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # fused at load
     check_tokens(llm, oracle, PROMPTS, None)
+
+
+@torch.inference_mode()
+def test_routing_flips_between_the_engine_and_the_oracle(scout, tmp_path):
+    """The GPU FP8 test's routing comparison (tests/gpu/test_fp8_gpu.py applies its gap bound
+    where routing agrees): on the CPU in float32 the engine routes every token of a 77-token
+    prompt (prefilled over 3 steps) as the fake-quant oracle does; with two experts' router
+    rows swapped in the engine's last layer (so no later routing moves), exactly the tokens
+    that chose either of them flip, including ones far from a tie."""
+    hf, _ = scout
+    tensors, qc = compressed_tensors_fp8(hf)
+    path = write_published(tmp_path, SCOUT, tensors, multimodal=True, quantization_config=qc)
+    oracle, llm = fp8_oracle(hf, read_tensors(path)), engine(path)
+    seq = PROMPTS[2]
+    with routing_trace(oracle) as traced:
+        oracle(torch.tensor([seq]))
+    want = routing_logits(traced, len(seq))
+    assert len(want) == len(SCOUT["moe_layers"]) and want[0].shape == (77, 4)
+
+    def engine_routing():
+        with routing_trace(llm.model) as traced:
+            llm.prompt_logits([seq])
+        return routing_logits(traced, len(seq))
+
+    flipped, closeness = routing_flips(want, engine_routing(), top_k=1)
+    assert not flipped.any() and torch.isinf(closeness).all()
+    router = llm.model.layers[3].feed_forward.router.weight
+    router.copy_(router[[1, 0, 2, 3]])
+    flipped, closeness = routing_flips(want, engine_routing(), top_k=1)
+    chose = want[3].argmax(-1)
+    assert torch.equal(flipped, (chose == 0) | (chose == 1)) and flipped.any()
+    assert torch.isfinite(closeness[flipped]).all() and closeness[flipped].max() > 0.25
+    with pytest.raises(ValueError, match="fewer than the 78"):
+        routing_logits(traced, len(seq) + 1)
 
 
 def test_fbgemm_fp8_maverick(tmp_path):

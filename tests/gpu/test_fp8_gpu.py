@@ -29,6 +29,9 @@ from llama4_published import (  # noqa: E402
     fp8_oracle,
     hf_generate,
     read_tensors,
+    routing_flips,
+    routing_logits,
+    routing_trace,
     write_published,
 )
 from llama4_tiny import COPY_GEOMETRY, copy_prompts  # noqa: E402
@@ -57,6 +60,14 @@ FORCED_MIN = 0.99    # teacher-forced top-1 agreement with the oracle
 # them by at most ~0.2 logit, as much as the bf16 (non-FP8) engine moves transformers'
 # float32 ones; a wrong scale, expert or offset moves them by whole logits.
 GAP_ERROR_MAX = 1.0
+# Where two experts' router logits nearly tie, bf16 rounding upstream may pick the other one,
+# and that token's output moves by whole logits (one position of 1210 moved by 1.7-2.3 on
+# some trained models: docs/device-logs/2026-12-02-session10-summary.md).  So the gap bound
+# holds where the oracle and the engine route alike; flips may touch at most 1% of the
+# positions, each where the oracle's top-k margin is at most a quarter of its layer's median
+# (a wrong router flips tokens at any margin, and many).
+FLIPS_MAX_SHARE = 0.01
+ROUTER_TIE = 0.25
 
 
 def fp8_weights(e, n, k, seed):
@@ -159,7 +170,7 @@ def copy_period(prompt) -> int:
 
 
 @torch.inference_mode()
-def oracle_report(llm, oracle, prompts, outs) -> dict:
+def oracle_report(llm, oracle, prompts, outs, top_k: int = 1) -> dict:
     """The engine's tokens ``outs`` against the oracle's, free-running and teacher-forced.
 
     Teacher-forced: the engine's own logits (``prompt_logits``: its prefill path) over
@@ -168,20 +179,32 @@ def oracle_report(llm, oracle, prompts, outs) -> dict:
     ``gap`` is the oracle's top-1 minus top-2 logit and ``gap_error`` how far the engine
     moves that difference.  Free-running: per prompt, the first position where the tokens
     part and the oracle's gap there (one flip changes every later prefix, so later tokens
-    are not compared)."""
+    are not compared).
+
+    Routing: the oracle's and the engine's router logits of each teacher-forced sequence
+    (``routing_trace``, one prefill per sequence); ``flipped`` positions are where some layer
+    chose other experts.  There the token's output moves by whole logits whatever the
+    precision (a discrete choice at a near-tie), so the gap bound is applied elsewhere."""
     refs = [hf_generate(oracle, p, len(out)) for p, out in zip(prompts, outs, strict=True)]
     seqs = [p + r for p, r in zip(prompts, refs, strict=True)]
-    forced, gap_error, logit_error, misses, rows = [], [], [], [], []
-    for prompt, ref, out, seq, eng in zip(prompts, refs, outs, seqs, llm.prompt_logits(seqs),
-                                          strict=True):
-        want = oracle(torch.tensor([seq], device=oracle.device)).logits[0].float().cpu()
+    forced, gap_error, logit_error, misses, rows, flips = [], [], [], [], [], []
+    for prompt, ref, out, seq in zip(prompts, refs, outs, seqs, strict=True):
+        with routing_trace(oracle) as want_routes:
+            want = oracle(torch.tensor([seq], device=oracle.device)).logits[0].float().cpu()
+        with routing_trace(llm.model) as got_routes:
+            eng = llm.prompt_logits([seq])[0]
+        flipped, closeness = routing_flips(routing_logits(want_routes, len(seq)),
+                                           routing_logits(got_routes, len(seq)), top_k)
         top = want.topk(2, dim=-1)
         gap = top.values[:, 0] - top.values[:, 1]
         eng_gap = (eng.gather(1, top.indices[:, :1]) - eng.gather(1, top.indices[:, 1:]))[:, 0]
         span = slice(copy_period(prompt), len(seq) - 1)
         same = eng.argmax(-1) == top.indices[:, 0]
         forced.append(same[span])
-        gap_error.append((eng_gap - gap)[span].abs())
+        error = (eng_gap - gap).abs()
+        gap_error.append(error[span][~flipped[span]])
+        flips += [(len(prompt), i, round(float(closeness[i]), 4), round(float(error[i]), 3))
+                  for i in range(span.start, span.stop) if flipped[i]]
         logit_error.append((eng - want).abs().amax(-1)[span])
         misses += [(len(prompt), i, float(gap[i])) for i in range(span.start, span.stop)
                    if not same[i] and gap[i] >= CLEAR_MARGIN]
@@ -201,6 +224,7 @@ def oracle_report(llm, oracle, prompts, outs) -> dict:
     return dict(free_agree=same_fraction(outs, refs), refs=refs, prompts=rows,
                 forced_agree=float(forced.float().mean()), forced_positions=len(forced),
                 clear_misses=misses, gap_error_q=gap_error.quantile(q).tolist(),
+                routing_flips=flips,
                 logit_error_q=logit_error.quantile(q).tolist())
 
 
@@ -247,23 +271,30 @@ def test_fp8_tokens_match_the_fake_quant_oracle_on_a_trained_model(trained, tmp_
     assert experts.w13.dtype == FP8 and experts.w13.is_cuda
     outs = llm.generate(prompts, max_new_tokens=NEW, ignore_eos=True)
     assert llm.runner.graph_steps > 0
-    report = oracle_report(llm, oracle, prompts, outs)
+    report = oracle_report(llm, oracle, prompts, outs, top_k=text["num_experts_per_tok"])
     print(f"\n{layout}: FP8 engine = float32 fake-quant oracle on {report['free_agree']:.1%} "
           f"of {len(prompts)}x{NEW} free-running tokens; teacher-forced top-1 on "
           f"{report['forced_agree']:.2%} of {report['forced_positions']} positions, "
-          f"|gap error| quantiles 50/90/99/100% {report['gap_error_q']}")
+          f"|gap error| quantiles 50/90/99/100% {report['gap_error_q']} where routing "
+          f"agrees; routing flips (prompt, position, closeness, gap error) "
+          f"{report['routing_flips']}")
     check_report(report)
 
 
 def check_report(report) -> None:
     """The same tokens as the oracle, free-running (the issue's bar: every choice of this
     model is clear, so rounding has nothing to flip), and teacher-forced position by
-    position, with the engine's logit gaps within GAP_ERROR_MAX of the oracle's."""
+    position, with the engine's logit gaps within GAP_ERROR_MAX of the oracle's wherever
+    both chose the same experts; routing flips rare (FLIPS_MAX_SHARE) and only at near-ties
+    (ROUTER_TIE)."""
     parted = [row for row in report["prompts"] if row["first_diff"] is not None]
     assert report["free_agree"] == 1.0, parted
     assert report["forced_agree"] >= FORCED_MIN, report["forced_agree"]
     assert not report["clear_misses"], "(prompt, position, oracle gap) of clear choices missed"
     assert report["gap_error_q"][-1] <= GAP_ERROR_MAX, report["gap_error_q"]
+    flips = report["routing_flips"]
+    assert len(flips) <= FLIPS_MAX_SHARE * report["forced_positions"], flips
+    assert all(closeness <= ROUTER_TIE for _, _, closeness, _ in flips), flips
 
 
 def test_dummy_fp8_scout_shaped_same_seed_same_tokens(tmp_path):
