@@ -50,13 +50,18 @@ def write_checkpoint(path: Path, shape: dict, layers: int, max_len: int, device)
 
 def child(model_dir: str, batch: int, context: int, new_tokens: int) -> dict:
     """Runs inside one tree: the median decode step of one engine."""
+    import inspect
+
     import chunklocal
 
     cuda = torch.cuda.is_available()
+    # steps one at a time through runner.run (timed below), in trees that schedule ahead too
+    sync = {"async_scheduling": False} if "async_scheduling" in inspect.signature(
+        chunklocal.LLM).parameters else {}
     llm = chunklocal.LLM(model_dir, device="cuda" if cuda else "cpu",
                          dtype=torch.bfloat16 if cuda else torch.float32, max_num_seqs=batch,
                          max_num_batched_tokens=max(2048, batch),
-                         max_model_len=context + new_tokens + 8)
+                         max_model_len=context + new_tokens + 8, **sync)
     run, times = llm.runner.run, []
 
     def timed(sched_batch, *rest):  # (batch) now, (batch, temperatures) in older trees

@@ -189,7 +189,9 @@ def main(argv=None) -> int:
         llm = chunklocal.LLM(model_dir, device=device,
                              dtype=torch.bfloat16 if device == "cuda" else torch.float32,
                              max_num_seqs=args.num_prompts, max_model_len=max_len,
-                             max_num_batched_tokens=max(8192, args.prompt_len))
+                             max_num_batched_tokens=max(8192, args.prompt_len),
+                             async_scheduling=False)  # the breakdown times runner.run;
+        # overlap_rows switches it on and off itself
         rng = np.random.default_rng(0)
         prompts = rng.integers(0, shape["vocab_size"], (args.num_prompts, args.prompt_len))
         prompts = prompts.tolist()

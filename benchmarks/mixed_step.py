@@ -1,15 +1,18 @@
 """Mixed steps, eager against piecewise CUDA graphs: step time and device idle (issue 20).
 
 Traffic: ``--decodes`` requests (63) decoding at ``--context`` (1024) tokens, beside one
-request whose random ``--chunk``-sized (2048) prompt chunks prefill one per step: every
-timed step is 63 decodes plus a 2048-token chunk, the step a busy server runs most.  The
-engine's ``max_num_batched_tokens`` is decodes + chunk, so the scheduler makes exactly that
-step.  Dummy weights with spread routing (``floors.routing``), the 4-layer Scout geometry by
-default (``--model``, as benchmarks/decode_floor.py names them).
+request whose random ``--prompt``-token (8192) prompt prefills one ``--chunk`` (2048) per
+step; when it ends, the next such request starts.  Every timed step is 63 decodes plus a
+2048-token chunk at a prefix of 0, 2k, 4k or 6k tokens, the step a busy server runs most.
+The engine's ``max_num_batched_tokens`` is decodes + chunk, so the scheduler makes exactly
+that step.  (The tenth session's H200 run had one long prompt whose prefix grew to about
+75k tokens by the profile, so its attention was the global layer's long prefix.)  Dummy
+weights with spread routing (``floors.routing``), the 4-layer Scout geometry by default
+(``--model``, as benchmarks/decode_floor.py names them).
 
 One engine, its piecewise graphs captured at start-up (engine/piecewise_graphs.py, switched
 on here); the two modes alternate in blocks of ``--steps`` steps (the long prompt's prefix,
-so its attention, grows as they go): "eager" runs the step's forward op by op,
+bounded by ``--prompt``): "eager" runs the step's forward op by op,
 "piecewise" replays the segments with the attention between them.  Step time is
 ``ModelRunner.run`` (host preparation, forward, sampling, the tokens on the host); then
 torch.profiler gives the device's busy and idle time per step in each mode.  Issue 20's
@@ -40,7 +43,7 @@ def make_engine(path, device, args):
 
     piecewise_graphs.PIECEWISE_ENABLED = device.type == "cuda"  # read at graph capture
     steps = 4 * args.repeats * args.steps + 8
-    max_len = max(args.context + steps + 64, args.chunk * steps)
+    max_len = max(args.context + steps + 64, args.prompt + 1)
     pages = (args.decodes * -(-(args.context + steps + 64) // 16) + -(-max_len // 16)
              + args.decodes + 16)
     return chunklocal.LLM(path, device=str(device), load_format="dummy",
@@ -50,41 +53,61 @@ def make_engine(path, device, args):
                           num_kv_blocks=pages, cuda_graphs=device.type == "cuda")
 
 
-def mixed_steps(llm, count: int, piecewise: bool, device) -> list[tuple[float, int]]:
+class LongPrompts:
+    """Keeps one request prefilling: before each step, if none is, a new one of
+    ``length`` random tokens (one sampled token, then it ends)."""
+
+    def __init__(self, llm, length: int, first_id: int):
+        self.llm, self.length, self.next_id = llm, length, first_id
+        self.rng = np.random.default_rng(0)
+
+    def ensure(self) -> None:
+        from chunklocal.engine.sampling import SamplingParams
+
+        sched = self.llm.scheduler
+        if sched.waiting or any(s.is_prefilling for s in sched.running):
+            return
+        prompt = self.rng.integers(0, self.llm.config.vocab_size, self.length).tolist()
+        admit(self.llm, self.next_id, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        self.next_id += 1
+
+
+def mixed_steps(llm, longs: LongPrompts, count: int, piecewise: bool,
+                device) -> list[tuple[float, int]]:
     """(ms, tokens) of ``count`` steps, with the piecewise graphs or eagerly."""
     runner = llm.runner
     saved = runner.piecewise
     runner.piecewise = saved if piecewise else None
+    times = []
     try:
-        return step_times(llm, count, device)
+        for _ in range(count):
+            longs.ensure()
+            times += step_times(llm, 1, device)
+        return times
     finally:
         runner.piecewise = saved
 
 
 def run(args, device) -> dict:
-    from chunklocal.engine.sampling import SamplingParams
-
     with tempfile.TemporaryDirectory() as tmp:
         llm = make_engine(write_config(Path(tmp) / args.model, args.model), device, args)
     steps = 4 * args.repeats * args.steps + 8
     fitted = fill(llm, args.decodes, args.context, steps + 32)
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, llm.config.vocab_size, args.chunk * steps).tolist()
-    admit(llm, args.decodes, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    longs = LongPrompts(llm, args.prompt, args.decodes)
     modes = ("eager", "piecewise") if llm.runner.piecewise is not None else ("eager",)
     for mode in modes:  # warm-up: first-use costs of each mode
-        mixed_steps(llm, 2, mode == "piecewise", device)
+        mixed_steps(llm, longs, 2, mode == "piecewise", device)
     times: dict[str, list[float]] = {m: [] for m in modes}
     tokens = set()
     for _ in range(args.repeats):
         for mode in modes:
-            for ms, n in mixed_steps(llm, args.steps, mode == "piecewise", device):
+            for ms, n in mixed_steps(llm, longs, args.steps, mode == "piecewise", device):
                 times[mode].append(ms)
                 tokens.add(n)
     rows = []
     for mode in modes:
         profile = floors.kernel_profile(
-            lambda m=mode: mixed_steps(llm, 1, m == "piecewise", device), 3, device)
+            lambda m=mode: mixed_steps(llm, longs, 1, m == "piecewise", device), 3, device)
         row = {"model": args.model, "mode": mode, "decodes": fitted, "chunk": args.chunk,
                "step_ms": statistics.median(times[mode]),
                "min_ms": min(times[mode]), "max_ms": max(times[mode])}
@@ -97,7 +120,8 @@ def run(args, device) -> dict:
     if llm.runner.piecewise is not None:
         rows[-1]["replays_by_bucket"] = dict(llm.runner.piecewise.replays)
     llm.shutdown()
-    return {"rows": rows, "step_tokens": sorted(tokens)}
+    return {"rows": rows, "step_tokens": sorted(tokens),
+            "long_prompts": longs.next_id - args.decodes}
 
 
 def main(argv=None) -> int:
@@ -106,18 +130,20 @@ def main(argv=None) -> int:
     parser.add_argument("--decodes", type=int, default=63)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--prompt", type=int, default=8192,
+                        help="tokens of each long prompt (it prefills --chunk a step)")
     parser.add_argument("--steps", type=int, default=5, help="steps per mode per block")
     parser.add_argument("--routing", choices=("balanced", "model"), default="balanced")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or 3
     if args.smoke:
-        args.model, args.decodes, args.context, args.chunk = "smoke", 3, 40, 24
+        args.model, args.decodes, args.context, args.chunk, args.prompt = "smoke", 3, 40, 24, 72
         args.steps, args.repeats = 2, 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     errors: list = []
     with floors.routing(args.routing):
         result = guarded("mixed steps", lambda: run(args, device), errors)
-    result = result or {"rows": [], "step_tokens": []}
+    result = result or {"rows": [], "step_tokens": [], "long_prompts": 0}
     print(format_table([{k: v for k, v in r.items() if not isinstance(v, dict)}
                         for r in result["rows"]]))
     path = write_json("mixed_step_smoke" if args.smoke else "mixed_step",

@@ -11,7 +11,11 @@ the decode step both ways on one engine, alternated, through ``LLM.generate``:
 for ``--batches`` prompts of ``--context`` random tokens each (dummy weights, spread routing:
 ``floors.routing``; with ``--routing model`` the outputs are checked equal between the
 modes and rounds).  Full-size Scout FP8 by
-default (``--model``, as benchmarks/decode_floor.py names them).
+default (``--model``, as benchmarks/decode_floor.py names them).  With balanced routing each
+row also has ``floor_ms``: the bytes a decode step at the run's mean position must read
+(``floors.decode_bytes``: every weight, the ``min(E, batch * top_k)`` experts each MoE layer
+touches, the KV) at the copy rate measured at the start of the same run, and ``share`` =
+floor / decode time.
 
     python -m benchmarks.overlap_decode --batches 1 64 --out $OUT
     python -m benchmarks.overlap_decode --smoke        # CPU: checks the logic
@@ -30,7 +34,7 @@ import torch
 
 from benchmarks import floors
 from benchmarks.common import base_parser, format_table, guarded, write_json
-from benchmarks.decode_floor import MODELS, write_config
+from benchmarks.decode_floor import MODELS, measure_rates, write_config
 
 
 def timed_generate(llm, prompts, new: int, device) -> tuple[float, list]:
@@ -44,7 +48,23 @@ def timed_generate(llm, prompts, new: int, device) -> tuple[float, list]:
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 
-def batch_rows(llm, batch: int, args, device) -> list[dict]:
+def floor_ms(llm, batch: int, args, rates) -> float | None:
+    """The decode step's byte floor at the copy rate (balanced routing only: a model's
+    own routing touches experts this script does not count)."""
+    if args.routing != "balanced":
+        return None
+    _, moe = floors.weight_bytes(llm.model)
+    top_k = llm.config.num_experts_per_tok
+    distinct = [min(num_experts, batch * top_k) for num_experts, _ in moe]
+    spec = llm.groups[0].spec
+    kv_per_key = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+    positions = np.full(batch, args.context + args.new // 2, dtype=np.int64)
+    need = floors.decode_bytes(llm.model, llm.config, llm.layer_kinds, positions, distinct,
+                               kv_per_key)
+    return need["bytes"] / rates["copy_bytes_per_s"] * 1e3
+
+
+def batch_rows(llm, batch: int, args, device, rates) -> list[dict]:
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, llm.config.vocab_size, (batch, args.context)).tolist()
     timed_generate(llm, prompts, args.new, device)  # warm-up: graphs, plans, prefix cache
@@ -61,9 +81,12 @@ def batch_rows(llm, batch: int, args, device) -> list[dict]:
     llm.async_scheduling = False
     if args.routing == "model" and outputs[False] != outputs[True]:
         raise AssertionError(f"batch {batch}: async_scheduling changed the outputs")
+    floor = floor_ms(llm, batch, args, rates)
     return [{"model": args.model, "batch": batch, "context": args.context,
              "async_scheduling": overlap, "decode_ms": statistics.median(ms),
-             "min_ms": min(ms), "max_ms": max(ms)} for overlap, ms in per_mode.items()]
+             "min_ms": min(ms), "max_ms": max(ms), "floor_ms": floor,
+             "share": None if floor is None else floor / statistics.median(ms)}
+            for overlap, ms in per_mode.items()]
 
 
 def main(argv=None) -> int:
@@ -85,6 +108,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows: list[dict] = []
     errors: list = []
+    rates = measure_rates(device)
     with tempfile.TemporaryDirectory() as tmp, floors.routing(args.routing):
         path = write_config(Path(tmp) / args.model, args.model)
         llm = chunklocal.LLM(path, device=str(device), load_format="dummy",
@@ -92,12 +116,14 @@ def main(argv=None) -> int:
                              max_num_seqs=max(args.batches),
                              max_model_len=args.context + args.new + 16)
         for batch in args.batches:
-            rows += guarded(f"batch {batch}", lambda b=batch: batch_rows(llm, b, args, device),
+            rows += guarded(f"batch {batch}",
+                            lambda b=batch: batch_rows(llm, b, args, device, rates),
                             errors) or []
             print(format_table(rows[-2:]), flush=True)
         llm.shutdown()
     path = write_json("overlap_decode_smoke" if args.smoke else "overlap_decode",
-                      {"args": vars(args), "rows": rows, "errors": errors}, args.out)
+                      {"args": vars(args), "rates": rates, "rows": rows, "errors": errors},
+                      args.out)
     print(f"wrote {path}")
     return 1 if errors else 0
 

@@ -52,27 +52,27 @@ def served_ckpt(tmp_path_factory):
 
 @pytest.fixture
 def hold_steps():
-    """``gate, entered = hold_steps(llm)``: from then on every engine step (``llm.runner.run``)
-    sets ``entered`` and waits (30 s at most) for ``gate`` before it runs.  At teardown the
-    gate opens and the real ``run`` is back."""
+    """``gate, entered = hold_steps(llm)``: from then on every engine step (``llm.runner.launch``,
+    which the synchronous ``run`` calls too) sets ``entered`` and waits (30 s at most) for
+    ``gate`` before it runs.  At teardown the gate opens and the real ``launch`` is back."""
     held = []
 
     def hold(llm):
         gate, entered = threading.Event(), threading.Event()
-        real_run = llm.runner.run
+        real_launch = llm.runner.launch
 
-        def gated(batch):
+        def gated(batch, prev=None):
             entered.set()
             gate.wait(30)
-            return real_run(batch)
+            return real_launch(batch, prev)
 
-        llm.runner.run = gated
-        held.append((llm, real_run, gate))
+        llm.runner.launch = gated
+        held.append((llm, real_launch, gate))
         return gate, entered
 
     yield hold
-    for llm, real_run, gate in reversed(held):
-        llm.runner.run = real_run
+    for llm, real_launch, gate in reversed(held):
+        llm.runner.launch = real_launch
         gate.set()
 
 

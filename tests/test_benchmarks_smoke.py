@@ -459,12 +459,15 @@ def test_decode_floor_smoke(tmp_path):
 
 def test_mixed_step_smoke_times_only_mixed_steps(tmp_path):
     """benchmarks/mixed_step.py --smoke: every timed step is the decodes plus one chunk of
-    the long prompt (3 + 24 tokens), eager on the CPU (piecewise graphs need CUDA)."""
+    the long prompt (3 + 24 tokens), eager on the CPU (piecewise graphs need CUDA); the
+    long prompts (72 tokens, 3 chunks) end and new ones start, so the prefix stays bounded."""
     from benchmarks import mixed_step
 
     assert mixed_step.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = _load(tmp_path / "mixed_step_smoke.json")
     assert data["step_tokens"] == [3 + 24]
+    steps = 2 + 2 + 3  # warm-up, timed (1 repeat of 2), profiled
+    assert data["long_prompts"] >= -(-steps // 3)
     assert [(r["mode"], r["decodes"]) for r in data["rows"]] == [("eager", 3)]
     assert data["rows"][0]["step_ms"] > 0
 
@@ -489,6 +492,74 @@ def test_overlap_decode_smoke_checks_equal_outputs(tmp_path, monkeypatch):
     assert overlap_decode.main(["--smoke", "--out", str(tmp_path)]) == 1
     assert "async_scheduling changed the outputs" in str(
         json.loads((tmp_path / "overlap_decode_smoke.json").read_text())["errors"])
+
+
+def test_overlap_decode_floor_counts_the_experts_balanced_routing_touches(tmp_path):
+    """overlap_decode.floor_ms: the bytes of every weight but the routed experts, plus
+    min(E, batch * top_k) experts per MoE layer, plus the KV, at the given copy rate; none
+    under the model's own routing (its expert count is not known)."""
+    import argparse
+
+    import chunklocal
+    from benchmarks import floors, overlap_decode
+    from benchmarks.decode_floor import write_config
+
+    llm = chunklocal.LLM(write_config(tmp_path / "smoke", "smoke"), load_format="dummy",
+                         dtype=torch.float32, max_num_seqs=4, max_model_len=64)
+    args = argparse.Namespace(routing="balanced", context=20, new=6)
+    rates = {"copy_bytes_per_s": 1e9}
+    dense, moe = floors.weight_bytes(llm.model)
+    num_experts, per_expert = moe[0]
+    top_k = llm.config.num_experts_per_tok
+    spans = [overlap_decode.floor_ms(llm, b, args, rates) * 1e6 for b in (1, 2)]
+    # one more request: top_k more experts per MoE layer (while under E) and its KV
+    assert spans[1] - spans[0] > min(top_k, num_experts - top_k) * per_expert * len(moe) - 1
+    assert spans[0] > dense + top_k * per_expert * len(moe)
+    assert overlap_decode.floor_ms(llm, 1, argparse.Namespace(routing="model"), rates) is None
+    llm.shutdown()
+
+
+def test_prefill_profile_smoke_and_its_flop_split(tmp_path):
+    """benchmarks/prefill_profile.py --smoke: both prompts prefilled in whole steps, a
+    profile; its FLOP split adds up to floors.prefill_flops' total (an independent count:
+    every 2-d weight but the embedding and LM head, top_k experts per token), attention
+    is additive over a prefix, and an FP8 checkpoint's experts count at the FP8 rate."""
+    from benchmarks import floors, prefill_profile
+    from benchmarks.decode_floor import write_config
+    from benchmarks.fp8_dummy import FP8_DYNAMIC, write_llama4_config
+    from benchmarks.fp8_dummy import SMOKE as SMOKE_TEXT
+
+    assert prefill_profile.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "prefill_profile_smoke.json")
+    assert [(r["prompt_len"], r["steps"]) for r in data["rows"]] == [(40, 2), (90, 3)]
+    assert data["rows"][-1]["profile"]["step_flops"]["bf16"] > 0  # kernels: CUDA only
+    import chunklocal
+
+    llm = chunklocal.LLM(write_config(tmp_path / "smoke", "smoke"), load_format="dummy",
+                         dtype=torch.float32, max_model_len=128)
+    params = prefill_profile.linear_params(llm.model)
+    dense, expert = floors.param_counts(llm.model)
+    vectors = sum(p.numel() for n, p in llm.model.named_parameters()
+                  if p.dim() < 2 and "embed_tokens" not in n and "lm_head" not in n)
+    assert params["dense_fp8"] == params["expert_fp8"] == 0
+    assert (params["dense_16"], params["expert_16"]) == (dense - vectors, expert)
+    split = prefill_profile.prefill_split(llm.config, llm.layer_kinds, params, 90)
+    assert sum(split.values()) == pytest.approx(floors.prefill_flops(
+        llm.config, llm.layer_kinds, 90, dense - vectors, expert))
+    later = prefill_profile.prefill_split(llm.config, llm.layer_kinds, params, 50, prefix=40)
+    first = prefill_profile.prefill_split(llm.config, llm.layer_kinds, params, 40)
+    assert first["attention"] + later["attention"] == pytest.approx(split["attention"])
+    llm.shutdown()
+    fp8 = chunklocal.LLM(write_llama4_config(tmp_path / "fp8", SMOKE_TEXT, FP8_DYNAMIC),
+                         load_format="dummy", dtype=torch.float32, max_model_len=128)
+    params8 = prefill_profile.linear_params(fp8.model)
+    assert params8["expert_fp8"] == expert and params8["expert_16"] == 0
+    assert params8["dense_fp8"] > 0 and params8["dense_16"] > 0  # attention stays 16-bit
+    rates = {"bf16_flops_per_s": 1.0, "fp8_flops_per_s": 2.0}
+    split8 = prefill_profile.prefill_split(fp8.config, fp8.layer_kinds, params8, 90)
+    assert prefill_profile.floor_seconds(split8, rates) == pytest.approx(
+        split8["fp8"] / 2 + split8["bf16"] + split8["attention"])
+    fp8.shutdown()
 
 
 def test_replay_only_times_the_graph_the_timed_steps_used():

@@ -481,15 +481,15 @@ def test_failed_step_frees_every_request(ckpt, monkeypatch, error, entry):
     path, _ = ckpt
     kwargs = dict(max_num_seqs=2, max_num_batched_tokens=24, max_model_len=128)
     llm = chunklocal.LLM(path, **kwargs)
-    real_run, calls = llm.runner.run, []
+    real_launch, calls = llm.runner.launch, []
 
-    def run_then_fail(*args):
+    def launch_then_fail(*args):  # every step is launched, with async scheduling or not
         calls.append(1)
         if len(calls) == 2:
             raise error("step failed")
-        return real_run(*args)
+        return real_launch(*args)
 
-    monkeypatch.setattr(llm.runner, "run", run_then_fail)
+    monkeypatch.setattr(llm.runner, "launch", launch_then_fail)
     with pytest.raises(error, match="step failed"):
         if entry == "generate":
             llm.generate(prompts_of([40, 9, 30], seed=12), max_new_tokens=5)
@@ -501,7 +501,7 @@ def test_failed_step_frees_every_request(ckpt, monkeypatch, error, entry):
         assert sorted(group.free_blocks) == list(range(group.num_blocks))
     assert sorted(llm.block_manager.free_rows) == list(range(kwargs["max_num_seqs"]))
     assert not any(table.any() for table in llm.block_manager.tables)
-    monkeypatch.setattr(llm.runner, "run", real_run)
+    monkeypatch.setattr(llm.runner, "launch", real_launch)
     prompts = prompts_of([33, 12], seed=13)
     fresh = chunklocal.LLM(path, **kwargs).generate(prompts, max_new_tokens=6)
     assert llm.generate(prompts, max_new_tokens=6) == fresh

@@ -41,7 +41,7 @@ class Launch(int):
 
 def engines(path, **kwargs):
     kwargs = dict(dict(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=160), **kwargs)
-    sync = chunklocal.LLM(path, **kwargs)
+    sync = chunklocal.LLM(path, async_scheduling=False, **kwargs)
     overlapped = chunklocal.LLM(path, async_scheduling=True, **kwargs)
     launches = []
     real = overlapped.runner.launch

@@ -261,15 +261,15 @@ def test_a_failed_step_fails_every_stream_and_frees_pages(llm, scripted):
     scripts, _ = scripted
     for i in range(3):
         scripts[(4, i)] = [8] * 20
-    real_run, calls = llm.runner.run, []
+    real_launch, calls = llm.runner.launch, []
 
-    def fail_third(batch):
+    def fail_third(batch, prev=None):  # every step is launched, async scheduling or not
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("device fell over")
-        return real_run(batch)
+        return real_launch(batch, prev)
 
-    llm.runner.run = fail_third
+    llm.runner.launch = fail_third
     try:
         streams = [llm.core.add_request([4, i], SamplingParams(max_tokens=20)) for i in range(3)]
         for s in streams:
@@ -277,7 +277,7 @@ def test_a_failed_step_fails_every_stream_and_frees_pages(llm, scripted):
                 s.result()
         assert free_everywhere(llm)
     finally:
-        llm.runner.run = real_run
+        llm.runner.launch = real_launch
     scripts[(4, 9)] = [8] * 5
     assert llm.core.add_request([4, 9], SamplingParams(max_tokens=5)).result().outputs[0]\
         .token_ids == [8] * 5

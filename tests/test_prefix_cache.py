@@ -160,13 +160,13 @@ def engine(path, caching, **kwargs):
     if key not in _ENGINES:
         llm = chunklocal.LLM(path, enable_prefix_caching=caching, **kwargs)
         if caching:
-            real_run = llm.runner.run
+            real_launch = llm.runner.launch
 
-            def checked(batch):
+            def checked(batch, prev=None):  # every step, async scheduling or not
                 check_accounting(llm.block_manager, llm.scheduler.running)
-                return real_run(batch)
+                return real_launch(batch, prev)
 
-            llm.runner.run = checked
+            llm.runner.launch = checked
         _ENGINES[key] = llm
     return _ENGINES[key]
 

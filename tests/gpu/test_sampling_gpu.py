@@ -116,7 +116,7 @@ def test_gpu_async_scheduling_same_outputs_and_overlaps(trained):
     """async_scheduling on the GPU: CUDA-graph decode steps are launched with the previous
     step in flight, and outputs equal the synchronous loop's (greedy and seeded)."""
     kwargs = dict(device="cuda", max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512)
-    sync = chunklocal.LLM(trained, **kwargs)
+    sync = chunklocal.LLM(trained, async_scheduling=False, **kwargs)
     overlapped = chunklocal.LLM(trained, async_scheduling=True, **kwargs)
     launches, real = [], overlapped.runner.launch
 

@@ -39,7 +39,7 @@ class EngineConfig:
     load_format: str = "auto"
     generation_config: str | os.PathLike | None = "auto"
     max_waiting_requests: int | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: on where supported (one rank), as vLLM
     tensor_parallel_size: int = 1
     moe_parallel: str = "tp"
     enable_prefix_caching: bool = True
@@ -63,11 +63,13 @@ class EngineConfig:
         if self.async_scheduling and n > 1:
             raise ValueError(f"async_scheduling is not supported with tensor_parallel_size "
                              f"{n} > 1 (the ranks run one step at a time): pass "
-                             f"async_scheduling=False")
+                             f"async_scheduling=False or leave it unset")
+        overlap = n == 1 if self.async_scheduling is None else self.async_scheduling
         limit = text_config.max_position_embeddings
         if self.max_model_len is not None and self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the config's "
                              f"max_position_embeddings {limit}")
         if text_config.attention_chunk_size is not None:
             check_chunk_geometry(text_config.attention_chunk_size, self.block_size)
-        return replace(self, max_model_len=self.max_model_len or limit)
+        return replace(self, max_model_len=self.max_model_len or limit,
+                       async_scheduling=overlap)

@@ -72,7 +72,8 @@ class LLM(OwnsWorkers):
     generation_config.json.  ``max_waiting_requests``: how many requests may wait
     for admission in ``llm.core`` before add_request refuses (None: no limit).
     ``async_scheduling``: prepare step n+1 on the host while the device runs step n
-    (engine/overlap.py; off with speculative decoding or penalties), same outputs.
+    (engine/overlap.py; steps with speculative decoding or penalties run in order), same
+    outputs; None (the default, as vLLM's): on with one rank, off with several.
     ``enable_prefix_caching``: reuse the KV of cached full blocks (vLLM's default on;
     engine/prefix_cache.py), same outputs; ``prefix_caching_hash_algo``: "builtin" or
     "sha256" (no crafted collisions).  ``tokenizer``: a directory other than the model's.
@@ -85,7 +86,7 @@ class LLM(OwnsWorkers):
     splits each expert's inner size, "ep" gives each rank num_local_experts / N
     whole experts.  Call :meth:`shutdown` (or ``del llm``, or use ``with``) to end them.
     The engine core drives the ranks; rank 0 samples (engine/tp_runner.py).  Under
-    N > 1 ``async_scheduling`` is refused (the ranks run one step at a time).
+    N > 1 ``async_scheduling=True`` is refused (the ranks run one step at a time).
 
     Every call is a client of one ``EngineCore`` (``llm.core``, a loop thread started
     on first use), so several threads may call generate() / prompt_logits() at once;
@@ -108,7 +109,7 @@ class LLM(OwnsWorkers):
                  num_kv_blocks=None, attention_backend="auto", cuda_graphs=True,
                  hybrid_kv_cache=True, num_speculative_tokens=0, seed=0, load_format="auto",
                  generation_config="auto", max_waiting_requests=None,
-                 async_scheduling=False, tensor_parallel_size=1, moe_parallel="tp",
+                 async_scheduling=None, tensor_parallel_size=1, moe_parallel="tp",
                  enable_prefix_caching=True, kv_cache_dtype="auto", tokenizer=None,
                  gpu_memory_utilization=0.9, prefix_caching_hash_algo="builtin",
                  calculate_kv_scales=False, long_prefill_token_threshold=0):

@@ -82,8 +82,9 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
     )
     if not isinstance(moe_parallel, str) or moe_parallel not in MOE_PARALLEL:
         raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {moe_parallel!r}")
+    out["async_scheduling"] = None if async_scheduling is None else \
+        as_bool(async_scheduling, "async_scheduling")  # None: decided by for_model
     for name, value in (("cuda_graphs", cuda_graphs), ("hybrid_kv_cache", hybrid_kv_cache),
-                        ("async_scheduling", async_scheduling),
                         ("enable_prefix_caching", enable_prefix_caching),
                         ("calculate_kv_scales", calculate_kv_scales)):
         out[name] = as_bool(value, name)

@@ -162,9 +162,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--prefix-caching-hash-algo", default="builtin", choices=["builtin", "sha256"],
                    help="block hashes: Python's (builtin) or sha256, which a crafted prompt "
                    "cannot collide with (vLLM's flag; default builtin)")
-    e.add_argument("--async-scheduling", action="store_true",
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="prepare step n+1 on the host while the device runs step n (vLLM's "
-                   "flag; off with speculative decoding or penalties; default off)")
+                   "flag; steps with speculative decoding or penalties run in order; default: "
+                   "on with one rank, off with tensor parallelism)")
     e.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
                    help="auto: sampling fields a request leaves unset take the checkpoint's "
                    "generation_config.json; none (or vllm): vLLM's defaults; a directory: "
