@@ -42,6 +42,31 @@ def test_boolean_settings_take_only_booleans(path, name, value):
         chunklocal.LLM(path, max_model_len=128, **{name: value})
 
 
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_async_scheduling_takes_a_boolean_or_none(path, value):
+    with pytest.raises(ValueError, match=rf"async_scheduling must be True, False or None "
+                                         rf"\(on where supported\), got {value!r}"):
+        chunklocal.LLM(path, max_model_len=128, async_scheduling=value)
+
+
+def test_async_scheduling_defaults_on_with_one_rank_and_off_with_several(path):
+    """vLLM's default: None turns it on where supported.  Tensor parallel ranks run one
+    step at a time, so there None means off and True is refused."""
+    from chunklocal.engine.config import EngineConfig
+    from chunklocal.models.llama4_config import read_config
+
+    text = read_config(path).text
+    assert chunklocal.LLM(path, max_model_len=128).async_scheduling is True
+    assert chunklocal.LLM(path, max_model_len=128, async_scheduling=np.bool_(False)) \
+        .async_scheduling is False
+    two = EngineConfig(tensor_parallel_size=2, max_model_len=128)
+    assert two.for_model(text).async_scheduling is False
+    assert EngineConfig(max_model_len=128).for_model(text).async_scheduling is True
+    with pytest.raises(ValueError, match="async_scheduling is not supported with "
+                                         "tensor_parallel_size 2"):
+        EngineConfig(tensor_parallel_size=2, async_scheduling=True).for_model(text)
+
+
 def test_numpy_booleans_are_booleans(path):
     llm = chunklocal.LLM(path, max_model_len=128, hybrid_kv_cache=np.bool_(False),
                          cuda_graphs=np.bool_(True))

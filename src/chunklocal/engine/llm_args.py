@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 from chunklocal._validate import as_bool, as_int
 from chunklocal.backends.factory import BACKENDS
 from chunklocal.engine.memory import check_utilization
@@ -82,8 +84,10 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
     )
     if not isinstance(moe_parallel, str) or moe_parallel not in MOE_PARALLEL:
         raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {moe_parallel!r}")
-    out["async_scheduling"] = None if async_scheduling is None else \
-        as_bool(async_scheduling, "async_scheduling")  # None: decided by for_model
+    if async_scheduling is not None and not isinstance(async_scheduling, (bool, np.bool_)):
+        raise ValueError(f"async_scheduling must be True, False or None (on where "
+                         f"supported), got {async_scheduling!r}")
+    out["async_scheduling"] = None if async_scheduling is None else bool(async_scheduling)
     for name, value in (("cuda_graphs", cuda_graphs), ("hybrid_kv_cache", hybrid_kv_cache),
                         ("enable_prefix_caching", enable_prefix_caching),
                         ("calculate_kv_scales", calculate_kv_scales)):
