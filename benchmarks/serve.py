@@ -15,12 +15,14 @@ float32; on a GPU a batch-dependent bf16 tie may differ, so use --verify 0 there
 failure makes the exit status 1.
 
 ``--launch DIR`` starts the server itself (``chunklocal serve DIR`` plus ``--serve-args``),
-waits for /health, runs the load and stops it with SIGTERM.  ``--offline-floor`` then runs
-the same requests through ``LLM.generate`` on the same engine flags: the floor the server's
-throughput is compared with.  ``--make-tiny DIR`` writes the tiny CPU checkpoint (random
-Llama-4 + byte-level BPE tokenizer with a chat template); ``--make-scout DIR`` writes
-benchmarks/engine.py's Scout-shaped random bf16 checkpoint (4 layers, no tokenizer: texts
-are empty, tokens are counted) for the GPU.
+waits for /health, runs the load and stops it with SIGTERM; each level then also reports
+the CPU the server's process tree used, per process and its busiest threads
+(benchmarks/proc_cpu.py: a thread near 1.0 core is the bottleneck).  ``--offline-floor``
+then runs the same requests through ``LLM.generate`` on the same engine flags: the floor
+the server's throughput is compared with.  ``--make-tiny DIR`` writes the tiny CPU
+checkpoint (random Llama-4 + byte-level BPE tokenizer with a chat template);
+``--make-scout DIR`` writes benchmarks/engine.py's Scout-shaped random bf16 checkpoint (4
+layers, no tokenizer: texts are empty, tokens are counted) for the GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import proc_cpu
 from benchmarks.common import base_parser, format_table, write_json
 from benchmarks.serve_client import Connection
 
@@ -321,11 +324,15 @@ def _run(args, headers, proc) -> int:
     n = args.requests
     prompts = [[rng.randint(0, args.max_token_id) for _ in range(args.prompt_tokens)]
                for _ in range(n)]
-    rows, problems = [], []
+    rows, problems, cpu = [], [], {}
     for clients in args.clients:
+        before = proc_cpu.sample(proc.pid) if proc is not None else {}
         records, wall = asyncio.run(run_level(args.url, model, headers, prompts, clients,
                                               args.max_tokens, args.duration, args.timeout))
         rows.append(summarize(clients, records, wall, args.max_tokens))
+        if before:  # which thread of the server or the engine process was saturated
+            cpu[clients] = proc_cpu.usage(before, proc_cpu.sample(proc.pid), wall, proc.pid)
+            print(f"{clients} clients, CPU: {proc_cpu.summary(cpu[clients])}", flush=True)
         problems += [f"{clients} clients, prompt {i}: {_problem(r, args.max_tokens)}"
                      for i, r in records if _problem(r, args.max_tokens) is not None]
         problems += asyncio.run(verify(args.url, model, headers, prompts, records,
@@ -341,7 +348,8 @@ def _run(args, headers, proc) -> int:
         print("FAILED", line)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     path = write_json("serve_smoke" if args.smoke else "serve",
-                      {"config": config, "rows": rows, "errors": problems}, args.out)
+                      {"config": config, "rows": rows, "cpu": cpu, "errors": problems},
+                      args.out)
     print(f"wrote {path}; {'FAILED' if problems else 'all'} requests complete"
           + (f" ({len(problems)} problems)" if problems else ""))
     return 1 if problems else 0

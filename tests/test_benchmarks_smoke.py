@@ -562,6 +562,40 @@ def test_prefill_profile_smoke_and_its_flop_split(tmp_path):
     fp8.shutdown()
 
 
+def test_proc_cpu_finds_the_saturated_thread_and_the_idle_child():
+    """benchmarks/proc_cpu.py, as the load test reads a launched server: the process tree
+    (a grandchild too), per process the cores used, and the busiest thread, here one
+    spinning thread beside an idle main thread and an idle child process."""
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks import proc_cpu
+
+    script = ("import subprocess, sys, threading, time\n"
+              "def spin():\n"
+              "    end = time.time() + 4\n"
+              "    while time.time() < end: pass\n"
+              "threading.Thread(target=spin).start()\n"
+              "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(4)'])\n"
+              "time.sleep(4); kid.wait()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        time.sleep(1.0)
+        before, start = proc_cpu.sample(proc.pid), time.perf_counter()
+        time.sleep(1.5)
+        rows = proc_cpu.usage(before, proc_cpu.sample(proc.pid), time.perf_counter() - start,
+                              proc.pid)
+    finally:
+        proc.wait(30)
+    server, child = rows
+    assert server["process"] == "server" and child["process"].startswith("child ")
+    assert len(server["threads"]) == 2 and server["threads"][0][2] > 0.3  # the spinner
+    assert server["threads"][1][2] < 0.2 and child["cores"] < 0.2
+    assert server["cores"] == pytest.approx(sum(t[2] for t in server["threads"]), abs=0.01)
+    assert "busiest thread" in proc_cpu.summary(rows)
+
+
 def test_replay_only_times_the_graph_the_timed_steps_used():
     """decode_floor.replay_only_ms replays, alone, the graph whose replay count the timed
     steps raised (not one used before them), reps times; None without graphs or replays."""

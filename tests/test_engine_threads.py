@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,3 +194,21 @@ def test_shutdown_during_a_token_list_call_raises_instead_of_cutting_it_short(
     caller.join(30)
     assert "out" not in result, "an aborted call returned as if complete"
     assert "aborted" in str(result["err"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="Linux /proc only")
+def test_library_threads_carry_their_names_to_the_os():
+    """_threads.name_os_thread: top -H, /proc and py-spy show a library thread by its
+    Python name less the package prefix (the load test's per-thread CPU reads them)."""
+    from chunklocal._threads import name_os_thread
+
+    seen = []
+
+    def target():
+        name_os_thread()
+        seen.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text())
+
+    thread = threading.Thread(target=target, name="chunklocal-engine-reader-long-name")
+    thread.start()
+    thread.join()
+    assert seen == ["engine-reader-l\n"]

@@ -28,6 +28,7 @@ import time
 import weakref
 from collections import deque
 
+from chunklocal._threads import name_os_thread
 from chunklocal.engine.overlap import overlappable, provisional, resolve
 from chunklocal.engine.requests import build_request
 from chunklocal.engine.sampling import SamplingParams
@@ -454,6 +455,7 @@ def _run_loop(core_ref, commands, device) -> None:
     the next command, so a dropped LLM is freed (its finalizer wakes the thread).  If it
     dies, every request it holds or has queued fails with the cause and the core refuses
     new ones: a dead loop must never leave a client waiting."""
+    name_os_thread()
     first = None  # the command taken while idle, until the loop has handled it
     try:
         if device is not None and device.type == "cuda":  # the current device is per thread

@@ -8,6 +8,7 @@ import signal
 import threading
 from typing import cast
 
+from chunklocal._threads import name_os_thread
 from chunklocal.engine.stream import Request
 
 
@@ -46,6 +47,7 @@ class _Forwarder(threading.Thread):
         self._event.set()
 
     def run(self) -> None:
+        name_os_thread()
         while not self.stopping:
             self._event.wait()
             self._event.clear()

@@ -33,6 +33,7 @@ import weakref
 from concurrent.futures import Future
 from typing import cast
 
+from chunklocal._threads import name_os_thread
 from chunklocal.engine.core_child import child_main
 from chunklocal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from chunklocal.engine.stream import RequestStream, Wakeups
@@ -242,6 +243,7 @@ class ProcessCore:
                 self.abort(stream.request_id)
 
     def _read(self) -> None:
+        name_os_thread()
         try:
             while True:
                 msg = self._conn.recv()

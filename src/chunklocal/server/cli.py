@@ -321,7 +321,13 @@ def main(args) -> int:
     state.set_core(core)
     # uvicorn runs in a thread (it installs no signal handlers there); the main thread
     # handles signals.
-    web = threading.Thread(target=server.run, name="chunklocal-http", daemon=True)
+    from chunklocal._threads import name_os_thread
+
+    def serve_http():
+        name_os_thread()
+        server.run()
+
+    web = threading.Thread(target=serve_http, name="chunklocal-http", daemon=True)
     web.start()
     while not server.started and web.is_alive():
         web.join(0.05)
