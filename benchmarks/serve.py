@@ -229,9 +229,10 @@ def closed_loop(llm, prompts, params, clients: int) -> dict:
 
 def offline_floor(args, prompts) -> list[dict]:
     """The same requests through ``LLM.generate`` in this process on the engine the server
-    had (its flags parsed by the serve CLI): all at once (the throughput the HTTP layer is
-    measured against), then per client level in a closed loop (:func:`closed_loop`), which
-    splits the gap between the HTTP path and the engine's arrival pattern."""
+    had (its flags parsed by the serve CLI): all at once, then per client level in waves of
+    that many requests (:func:`waves`: offline at the level's concurrency, the floor the
+    server at that level is measured against) and in a closed loop (:func:`closed_loop`),
+    which splits the gap between the HTTP path and the engine's arrival pattern."""
     import argparse
 
     from chunklocal.engine.llm import LLM
@@ -254,9 +255,25 @@ def offline_floor(args, prompts) -> list[dict]:
     rows = [{"clients": "offline LLM.generate", "requests": len(prompts), "completed": done,
              "failed": len(prompts) - done, "wall_s": wall, "requests_per_s": done / wall,
              "output_tokens_per_s": done * args.max_tokens / wall}]
-    rows += [closed_loop(llm, prompts, params, clients) for clients in args.clients]
+    for clients in args.clients:
+        rows += [waves(llm, prompts, params, clients), closed_loop(llm, prompts, params, clients)]
     llm.core.shutdown()
     return rows
+
+
+def waves(llm, prompts, params, clients: int) -> dict:
+    """Offline at the level's concurrency: ``LLM.generate`` on ``clients`` prompts at a time,
+    one wave after another.  The all-at-once row batches up to ``--max-num-seqs``, which a
+    level of fewer clients can never reach; this row is the floor a server with that many
+    clients can be held to."""
+    start, ok = time.perf_counter(), 0
+    for i in range(0, len(prompts), clients):
+        outs = llm.generate(prompts[i:i + clients], params, use_tqdm=False)
+        ok += sum(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
+    wall = time.perf_counter() - start
+    return {"clients": f"{clients}, offline in waves of {clients}", "requests": len(prompts),
+            "completed": ok, "failed": len(prompts) - ok, "wall_s": wall,
+            "requests_per_s": ok / wall, "output_tokens_per_s": ok * params.max_tokens / wall}
 
 
 def main(argv=None) -> int:

@@ -422,3 +422,27 @@ def test_closed_loop_floor_completes_every_request_with_the_offline_tokens(llm):
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert seen == {tuple(p): w for p, w in zip(prompts, want, strict=True)}
     assert row["output_tokens_per_s"] == 9 * 7 / row["wall_s"]
+
+
+def test_offline_waves_run_the_level_s_concurrency(llm):
+    """benchmarks/serve.py's offline floor per client level: the prompts in waves of that
+    many, each wave one generate() call (9 prompts, 4 clients: waves of 4, 4, 1), every
+    request complete."""
+    from benchmarks import serve
+
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + i % 4)] for i in range(9)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    sizes, real = [], llm.generate
+
+    def spy(batch, *a, **k):
+        sizes.append(len(batch))
+        return real(batch, *a, **k)
+
+    llm.generate = spy
+    try:
+        row = serve.waves(llm, prompts, params, clients=4)
+    finally:
+        del llm.generate
+    assert sizes == [4, 4, 1]
+    assert (row["completed"], row["failed"], row["clients"]) == (
+        9, 0, "4, offline in waves of 4")
