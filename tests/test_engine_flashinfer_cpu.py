@@ -208,3 +208,71 @@ def test_piecewise_bucket_choice_and_a_step_past_the_largest(ckpt, monkeypatch):
     with pytest.raises(ValueError, match="a step of 49 tokens exceeds the largest piecewise "
                                          "bucket 48"):
         pw.run(torch.zeros(49, dtype=torch.long), np.zeros(49, dtype=np.int64), {})
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_only):
+    """With async scheduling the engine plans step n+1 while step n is still queued
+    (engine/overlap.py), so an eager build must not re-plan the wrapper step n runs: the
+    backend alternates two wrappers per kind.  Here step n's attention, run again after
+    step n+1 was built, is what it was; the third build reuses the first one's wrappers."""
+    from chunklocal.backends.base import EngineLimits, Kind
+    from chunklocal.backends.flashinfer import FlashInferBackend
+    from chunklocal.kv_spec import FullAttentionSpec
+
+    spec = FullAttentionSpec(4, 2, 16, torch.float32, attention_chunk_size=8)
+    backend = FlashInferBackend(spec, EngineLimits(4, 64, 64, 4), 4, 2, 16, torch.float32,
+                                "cpu")
+    assert backend.overlaps_eager_steps
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(40, 4, 2, 16, generator=gen) for _ in range(2))
+    table = np.arange(40, dtype=np.int32).reshape(4, 10)
+
+    def step(query_lens, seq_lens):
+        qsl = np.concatenate([[0], np.cumsum(query_lens)])
+        md = backend.build(qsl, np.array(seq_lens), table[:len(seq_lens)])
+        q = torch.randn(int(qsl[-1]), 4, 16, generator=gen)
+        return md, q
+
+    lens = [1, 1, 1] if decode_only else [1, 5, 3]
+    first, q1 = step(lens, [9, 20, 14])
+    want = {kind: backend.forward(first, q1, k_cache, v_cache, 0.25, kind=kind)
+            for kind in (Kind.CHUNKED, Kind.GLOBAL)}
+    second, _ = step(lens[:2], [30, 7])
+    assert all(first.wrappers[k] is not second.wrappers[k] for k in want)
+    for kind, out in want.items():
+        assert torch.equal(backend.forward(first, q1, k_cache, v_cache, 0.25, kind=kind), out)
+    third, _ = step(lens, [10, 21, 15])
+    assert all(third.wrappers[k] is first.wrappers[k] for k in want)
+
+
+def test_eager_flashinfer_steps_may_overlap_unless_switched_off(ckpt):
+    """An eager step on backends that double-buffer their plans is overlap-safe: on a GPU
+    the engine launches the next step before collecting it (overlap.overlappable), as it
+    does after a graph replay; a backend that does not say so keeps the old order."""
+    from types import SimpleNamespace
+
+    from chunklocal.engine.overlap import overlappable
+
+    path, _ = ckpt
+    llm = StandinLLM(path, attention_backend="flashinfer", cuda_graphs=False, **ENGINE)
+    flags, real = [], llm.runner.launch
+
+    def recording(batch, prev=None):
+        launched = real(batch, prev)
+        flags.append(launched.overlap_safe)
+        return launched
+
+    llm.runner.launch = recording
+    prompts = motif_prompts(2)
+    assert llm.generate(prompts, max_new_tokens=8) == chunklocal.LLM(
+        path, attention_backend="torch", **ENGINE).generate(prompts, max_new_tokens=8)
+    assert flags and all(flags) and llm.runner.overlaps_eager
+    llm.runner.backends[0].overlaps_eager_steps = False  # CHUNKLOCAL_OVERLAP_EAGER=0
+    assert not llm.runner.overlaps_eager
+    llm.runner.backends[0] = SimpleNamespace()  # a backend that does not declare it
+    assert not llm.runner.overlaps_eager
+    gpu = SimpleNamespace(llm=SimpleNamespace(async_scheduling=True, num_speculative_tokens=0,
+                                              device=torch.device("cuda")), num_penalised=0)
+    assert overlappable(gpu, SimpleNamespace(overlap_safe=True))
+    assert not overlappable(gpu, SimpleNamespace(overlap_safe=False))

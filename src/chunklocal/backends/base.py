@@ -47,6 +47,11 @@ class AttentionBackend(Protocol):
     graph_batch_sizes: tuple[int, ...]
     #: Query lengths q of the captured graphs: (1,) decode, (1, k + 1) with verify.
     graph_query_lens: tuple[int, ...]
+    #: Whether an eager step's ``build`` may run while the previous eager step is still
+    #: queued on the device (nothing it stages on the host is reused by the next build
+    #: before the previous one's copies ran): the engine then launches step n+1 before it
+    #: collects step n (engine/overlap.py).  Graph replays always may.
+    overlaps_eager_steps: bool
 
     def build(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
               block_table: np.ndarray, *, graph_batch_size: int | None = None) -> Any:

@@ -29,6 +29,8 @@ class TorchRefBackend:
     #: No CUDA graphs (see backends/base.py).
     graph_batch_sizes: tuple[int, ...] = ()
     graph_query_lens: tuple[int, ...] = ()
+    #: Each build makes new index tensors (synchronous copies from pageable memory).
+    overlaps_eager_steps: bool = True
 
     def __init__(self, spec: FullAttentionSpec, num_q_heads: int | None = None, device="cpu"):
         self.block_size = spec.block_size

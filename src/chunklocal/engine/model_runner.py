@@ -46,7 +46,8 @@ class LaunchedStep:
     batch: ScheduledBatch
     sample: DeviceSample
     row_bounds: np.ndarray      # [N+1] logit rows per request
-    used_graph: bool            # replayed a CUDA graph (no FlashInfer plan() staging)
+    overlap_safe: bool          # the next step may launch before this one is collected:
+    #                             a graph replay, or eager on backends that allow it
     step: int = 0               # the engine core's step number
 
 
@@ -114,6 +115,12 @@ class ModelRunner(StepRunner):
         self.piecewise: piecewise_graphs.PiecewiseGraphs | None = None
         self.piecewise_steps = 0
         self._bind_caches(kv_dtype)
+
+    @property
+    def overlaps_eager(self) -> bool:
+        """Every group's backend lets an eager step's successor launch before it is
+        collected (``overlaps_eager_steps`` in backends/base.py; undeclared: no)."""
+        return all(getattr(b, "overlaps_eager_steps", False) for b in self.backends)
 
     def enable_cuda_graphs(self, batch_sizes, query_lens, recorder=None,
                            max_tokens: int | None = None) -> None:
@@ -190,7 +197,7 @@ class ModelRunner(StepRunner):
         rows = hidden[to_device(inputs.logit_rows, self.device)]
         sample = self.sampler.launch(self.logits(rows), batch.seqs, inputs.logit_owner)
         bounds = inputs.row_bounds()
-        return LaunchedStep(batch, sample, bounds, layout is not None)
+        return LaunchedStep(batch, sample, bounds, layout is not None or self.overlaps_eager)
 
     def forward(self, inputs: StepInputs, tables, slots, input_ids, layout):
         """Hidden states of every token (``slots``, ``input_ids``: on the device)."""

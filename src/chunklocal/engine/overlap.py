@@ -20,9 +20,11 @@ work runs in order (a later owner's writes come after).
 When it is used (``overlappable``): ``LLM(async_scheduling=True)``, no speculative
 decoding (step n+1's drafts and query lengths depend on how many of step n's drafts are
 accepted, known only on the host after step n), no live request with penalties (their
-token history is read on the host), and step n either replayed a CUDA graph or ran on
-the CPU (an eager FlashInfer step stages its plan() in a pinned buffer that the next
-plan() would overwrite before the copy ran).  Otherwise the loop collects step n first.
+token history is read on the host), and step n replayed a CUDA graph, ran on the CPU, or
+ran eagerly on backends that allow it (``overlaps_eager_steps``: FlashInfer stages each
+plan() in a pinned buffer whose copy to the device runs later, so it alternates two
+wrappers per kind; ``CHUNKLOCAL_OVERLAP_EAGER=0`` turns that off).  Otherwise the loop
+collects step n first.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def overlappable(core, launched) -> bool:
     llm = core.llm
     return (llm.async_scheduling and llm.num_speculative_tokens == 0
             and core.num_penalised == 0
-            and (launched.used_graph or llm.device.type == "cpu"))
+            and (launched.overlap_safe or llm.device.type == "cpu"))
 
 
 def provisional(scheduler, launched) -> None:

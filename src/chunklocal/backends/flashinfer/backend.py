@@ -44,6 +44,7 @@ window would need a host plan per step.  See docs/gpu.md.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,8 @@ from chunklocal.kv_spec import FullAttentionSpec, chunk_size_of, softmax_scale
 from chunklocal.virtual_batches import validate_batch
 
 _WORKSPACE_BYTES = 128 << 20
+#: The switch read at import (``CHUNKLOCAL_OVERLAP_EAGER=0`` turns it off).
+OVERLAP_EAGER = os.environ.get("CHUNKLOCAL_OVERLAP_EAGER", "1") != "0"
 _workspaces: dict[torch.device, torch.Tensor] = {}
 
 
@@ -88,7 +91,13 @@ class GraphMetadata:
 
 
 class _KindState:
-    """Buffers and eager wrappers of one attention kind (chunked or global) of the group."""
+    """Buffers and eager wrappers of one attention kind (chunked or global) of the group.
+
+    Two wrappers of each type, used by alternate eager steps: ``plan()`` stages its
+    schedule in the wrapper's pinned buffer and queues the copy to the device, so a second
+    ``plan()`` on the same wrapper could overwrite the staging before the first copy ran.
+    With async scheduling the next step is planned while the last one is still queued
+    (engine/overlap.py), and collected before the one after it is planned: two suffice."""
 
     def __init__(self, kind: Kind, chunk_size, capacity, backend: FlashInferBackend,
                  verify_rows: int):
@@ -99,10 +108,10 @@ class _KindState:
             capacity, backend.block_size, device=backend.device, cuda_graphs=backend.cuda_graphs,
             name=kind.value, verify_rows=verify_rows)
         ws = _workspace(backend.device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            ws, "NHD", backend=backend.prefill_backend)
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            ws, "NHD", use_tensor_cores=True)
+        self.prefill = tuple(flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            ws, "NHD", backend=backend.prefill_backend) for _ in range(2))
+        self.decode = tuple(flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_tensor_cores=True) for _ in range(2))
 
 
 class FlashInferBackend:
@@ -150,6 +159,11 @@ class FlashInferBackend:
                        for kind, capacity in sizes.capacities.items()}
         self._graphs = {(b, q): self._make_graph(b, q)
                         for b in self.graph_batch_sizes for q in self.graph_query_lens}
+        self._eager_parity = 0  # which of each kind's two eager wrappers the next step plans
+        #: Eager steps may be launched before the previous one is collected (two wrappers
+        #: per kind, see _KindState); ``CHUNKLOCAL_OVERLAP_EAGER=0`` makes the engine
+        #: collect each eager step first, as before the H200 measures this.
+        self.overlaps_eager_steps = OVERLAP_EAGER
 
     # -------------------------------------------------------------- wrappers
     def _plan_kwargs(self):
@@ -207,6 +221,7 @@ class FlashInferBackend:
             return self._build_graph(seq_lens, block_table, query_len, graph_batch_size)
         wrappers: dict[Kind, Any] = {}
         decode_only = bool(query_lens.size) and bool((query_lens == 1).all())
+        parity, self._eager_parity = self._eager_parity, self._eager_parity ^ 1
         for kind, state in self._kinds.items():
             step = write_step(state.buffers, qsl, seq_lens, block_table, query_lens,
                               state.chunk_size)
@@ -214,17 +229,17 @@ class FlashInferBackend:
                 wrappers[kind] = None
                 continue
             if decode_only:
-                state.decode.plan(step.paged_kv_indptr, step.paged_kv_indices,
-                                  step.paged_kv_last_page_len, self.num_q_heads,
-                                  self.num_kv_heads, self.head_dim, self.block_size,
-                                  **self._plan_kwargs())
-                wrappers[kind] = state.decode
+                wrapper = state.decode[parity]
+                wrapper.plan(step.paged_kv_indptr, step.paged_kv_indices,
+                             step.paged_kv_last_page_len, self.num_q_heads, self.num_kv_heads,
+                             self.head_dim, self.block_size, **self._plan_kwargs())
             else:
-                state.prefill.plan(step.qo_indptr, step.paged_kv_indptr, step.paged_kv_indices,
-                                   step.paged_kv_last_page_len, self.num_q_heads,
-                                   self.num_kv_heads, self.head_dim, self.block_size,
-                                   causal=True, **self._plan_kwargs())
-                wrappers[kind] = state.prefill
+                wrapper = state.prefill[parity]
+                wrapper.plan(step.qo_indptr, step.paged_kv_indptr, step.paged_kv_indices,
+                             step.paged_kv_last_page_len, self.num_q_heads, self.num_kv_heads,
+                             self.head_dim, self.block_size, causal=True,
+                             **self._plan_kwargs())
+            wrappers[kind] = wrapper
             state.buffers.mark_consumed(step)
         return EagerMetadata(wrappers, int(qsl[-1]) if qsl.size else 0)
 
