@@ -223,7 +223,6 @@ def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_
     spec = FullAttentionSpec(4, 2, 16, torch.float32, attention_chunk_size=8)
     backend = FlashInferBackend(spec, EngineLimits(4, 64, 64, 4), 4, 2, 16, torch.float32,
                                 "cpu")
-    assert backend.overlaps_eager_steps
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = (torch.randn(40, 4, 2, 16, generator=gen) for _ in range(2))
     table = np.arange(40, dtype=np.int32).reshape(4, 10)
@@ -246,15 +245,20 @@ def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_
     assert all(third.wrappers[k] is first.wrappers[k] for k in want)
 
 
-def test_eager_flashinfer_steps_may_overlap_unless_switched_off(ckpt):
-    """An eager step on backends that double-buffer their plans is overlap-safe: on a GPU
-    the engine launches the next step before collecting it (overlap.overlappable), as it
-    does after a graph replay; a backend that does not say so keeps the old order."""
+def test_eager_flashinfer_steps_overlap_when_switched_on(ckpt, monkeypatch):
+    """With CHUNKLOCAL_OVERLAP_EAGER=1 an eager step on backends that double-buffer their
+    plans is overlap-safe: on a GPU the engine launches the next step before collecting it
+    (overlap.overlappable), as it does after a graph replay.  Off (the default until an
+    H200 run measures it), or on a backend that does not say so, it keeps the old order."""
     from types import SimpleNamespace
 
+    from chunklocal.backends.flashinfer import backend as fi_backend
     from chunklocal.engine.overlap import overlappable
 
     path, _ = ckpt
+    off = StandinLLM(path, attention_backend="flashinfer", cuda_graphs=False, **ENGINE)
+    assert not fi_backend.OVERLAP_EAGER and not off.runner.overlaps_eager
+    monkeypatch.setattr(fi_backend, "OVERLAP_EAGER", True)
     llm = StandinLLM(path, attention_backend="flashinfer", cuda_graphs=False, **ENGINE)
     flags, real = [], llm.runner.launch
 
@@ -268,7 +272,7 @@ def test_eager_flashinfer_steps_may_overlap_unless_switched_off(ckpt):
     assert llm.generate(prompts, max_new_tokens=8) == chunklocal.LLM(
         path, attention_backend="torch", **ENGINE).generate(prompts, max_new_tokens=8)
     assert flags and all(flags) and llm.runner.overlaps_eager
-    llm.runner.backends[0].overlaps_eager_steps = False  # CHUNKLOCAL_OVERLAP_EAGER=0
+    llm.runner.backends[0].overlaps_eager_steps = False
     assert not llm.runner.overlaps_eager
     llm.runner.backends[0] = SimpleNamespace()  # a backend that does not declare it
     assert not llm.runner.overlaps_eager
