@@ -305,6 +305,10 @@ def main(argv=None) -> int:
                    help="after the levels, stop the launched server and run the same requests "
                    "offline on the same engine flags: all at once (LLM.generate), then per "
                    "level from as many threads in a closed loop, without HTTP")
+    p.add_argument("--warmup-requests", type=int, default=0,
+                   help="send this many of the prompts first, at the first level's client "
+                   "count, untimed: the first level then meets a warm server (kernels for "
+                   "new row counts compiled, as the offline floor's own warm-up does)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
@@ -342,6 +346,12 @@ def _run(args, headers, proc) -> int:
     prompts = [[rng.randint(0, args.max_token_id) for _ in range(args.prompt_tokens)]
                for _ in range(n)]
     rows, problems, cpu = [], [], {}
+    if args.warmup_requests > 0:
+        records, _ = asyncio.run(run_level(args.url, model, headers,
+                                           prompts[:args.warmup_requests], args.clients[0],
+                                           args.max_tokens, args.duration, args.timeout))
+        problems += [f"warm-up, prompt {i}: {_problem(r, args.max_tokens)}"
+                     for i, r in records if _problem(r, args.max_tokens) is not None]
     for clients in args.clients:
         before = proc_cpu.sample(proc.pid) if proc is not None else {}
         records, wall = asyncio.run(run_level(args.url, model, headers, prompts, clients,

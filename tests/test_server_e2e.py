@@ -383,20 +383,22 @@ def _alive(pid: int) -> bool:
 
 def test_load_test_script_against_the_server(server, tmp_path):
     """benchmarks/serve.py --smoke: every request completes with its full output, streamed
-    texts equal non-streamed ones, and the server's metrics saw the traffic."""
+    texts equal non-streamed ones, and the server's metrics saw the traffic (3 warm-up
+    requests beside the levels' 2 x 8, which the rows do not count)."""
     from benchmarks import serve
 
     before = server.metrics()
-    assert serve.main(["--url", server.url, "--smoke", "--out", str(tmp_path)]) == 0
+    assert serve.main(["--url", server.url, "--smoke", "--warmup-requests", "3",
+                       "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "serve_smoke.json").read_text())
     assert data["errors"] == []
     assert [(r["clients"], r["completed"], r["failed"]) for r in data["rows"]] == [(1, 8, 0),
                                                                                   (4, 8, 0)]
     after = server.metrics()
     assert after["vllm:generation_tokens_total"] - before[
-        "vllm:generation_tokens_total"] >= 2 * 8 * 8
+        "vllm:generation_tokens_total"] >= (3 + 2 * 8) * 8  # the warm-up's 3 untimed
     assert after["vllm:time_to_first_token_seconds_count"] - before[
-        "vllm:time_to_first_token_seconds_count"] >= 16
+        "vllm:time_to_first_token_seconds_count"] == 3 + 16 + 2 * 4  # + --verify 4 a level
 
 
 def test_closed_loop_floor_completes_every_request_with_the_offline_tokens(llm):
