@@ -165,6 +165,16 @@ def replay_only_ms(graphs, replays_before, reps: int, device) -> float | None:
     return statistics.median(times)
 
 
+def step_floor(llm, positions: np.ndarray, distinct_experts, rates) -> tuple[dict, float]:
+    """(bytes by part, floor ms) of a decode step of ``llm`` whose queries sit at
+    ``positions`` (floors.decode_bytes), at the copy rate of ``rates``."""
+    spec = llm.groups[0].spec
+    kv_per_key = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+    need = floors.decode_bytes(llm.model, llm.config, llm.layer_kinds, positions,
+                               distinct_experts, kv_per_key)
+    return need, need["bytes"] / rates["copy_bytes_per_s"] * 1e3
+
+
 def decode_cell(llm, model, batch, context, args, rates, device) -> dict:
     fitted = fill(llm, batch, context, 3 * args.steps + 16)
     row = {"model": model, "batch": fitted, "asked_batch": batch, "context": context}
@@ -180,11 +190,7 @@ def decode_cell(llm, model, batch, context, args, rates, device) -> dict:
         timed_steps(llm, 1, False, device)
     eager = timed_steps(llm, args.steps, False, device)
     positions = np.fromiter((s.num_computed for s in llm.scheduler.running), np.int64)
-    spec = llm.groups[0].spec
-    kv_per_key = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
-    need = floors.decode_bytes(llm.model, llm.config, llm.layer_kinds, positions,
-                               routing.distinct or None, kv_per_key)
-    floor_ms = need["bytes"] / rates["copy_bytes_per_s"] * 1e3
+    need, floor_ms = step_floor(llm, positions, routing.distinct or None, rates)
     row.update(graph_ms=statistics.median(graph), eager_ms=statistics.median(eager),
                floor_ms=floor_ms, experts_per_moe_layer=routing.distinct, **need)
     row.update(graph_share=floor_ms / row["graph_ms"], eager_share=floor_ms / row["eager_ms"])
@@ -198,22 +204,30 @@ def decode_cell(llm, model, batch, context, args, rates, device) -> dict:
     return row
 
 
-def prefill_cell(llm, model, prompt_len, rates, device) -> dict:
-    """One ``prompt_len`` prompt, prefilled for real in steps of max_num_batched_tokens."""
+def run_prompt(llm, seq_id: int, prompt: list[int], steps: int | None = None) -> int:
+    """Admit ``prompt`` (one greedy token out) and run ``steps`` scheduler steps (every
+    one, by default), each through ``ModelRunner.run`` (the tokens reach the host: the
+    step is over); how many ran."""
     from chunklocal.engine.sampling import SamplingParams
 
     sched, runner = llm.scheduler, llm.runner
-    sched.abort_all()
-    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
-    prompt = np.random.default_rng(1).integers(0, llm.config.vocab_size, prompt_len).tolist()
-    admit(llm, 0, prompt, params)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start, steps = time.perf_counter(), 0
-    while sched.has_work():
+    admit(llm, seq_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
+    ran = 0
+    while sched.has_work() and (steps is None or ran < steps):
         batch = sched.schedule()
         sched.postprocess(batch, runner.run(batch).tokens, frozenset())
-        steps += 1
+        ran += 1
+    return ran
+
+
+def prefill_cell(llm, model, prompt_len, rates, device) -> dict:
+    """One ``prompt_len`` prompt, prefilled for real in steps of max_num_batched_tokens."""
+    llm.scheduler.abort_all()
+    prompt = np.random.default_rng(1).integers(0, llm.config.vocab_size, prompt_len).tolist()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    steps = run_prompt(llm, 0, prompt)
     seconds = time.perf_counter() - start
     dense, expert = floors.param_counts(llm.model)
     flops = floors.prefill_flops(llm.config, llm.layer_kinds, prompt_len, dense, expert)

@@ -34,7 +34,7 @@ import torch
 
 from benchmarks import floors
 from benchmarks.common import base_parser, format_table, guarded, write_json
-from benchmarks.decode_floor import MODELS, measure_rates, write_config
+from benchmarks.decode_floor import MODELS, measure_rates, step_floor, write_config
 
 
 def timed_generate(llm, prompts, new: int, device) -> tuple[float, list]:
@@ -56,12 +56,8 @@ def floor_ms(llm, batch: int, args, rates) -> float | None:
     _, moe = floors.weight_bytes(llm.model)
     top_k = llm.config.num_experts_per_tok
     distinct = [min(num_experts, batch * top_k) for num_experts, _ in moe]
-    spec = llm.groups[0].spec
-    kv_per_key = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
     positions = np.full(batch, args.context + args.new // 2, dtype=np.int64)
-    need = floors.decode_bytes(llm.model, llm.config, llm.layer_kinds, positions, distinct,
-                               kv_per_key)
-    return need["bytes"] / rates["copy_bytes_per_s"] * 1e3
+    return step_floor(llm, positions, distinct, rates)[1]
 
 
 def batch_rows(llm, batch: int, args, device, rates) -> list[dict]:

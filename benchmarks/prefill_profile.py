@@ -42,7 +42,7 @@ from benchmarks.common import (
     measure_matmul_flops,
     write_json,
 )
-from benchmarks.decode_floor import MODELS, admit, write_config
+from benchmarks.decode_floor import MODELS, run_prompt, write_config
 
 #: kernel classes whose FLOPs the step's split names (the others are bandwidth or overhead)
 FP8_CLASSES = ("FP8 GEMMs, Triton (experts and dense)", "dense GEMMs, FP8")
@@ -108,23 +108,11 @@ def floor_seconds(split: dict, rates: dict) -> float:
             + (split["bf16"] + split["attention"]) / rates["bf16_flops_per_s"])
 
 
-def prefill_once(llm, prompt_len: int, seq_id: int, device, steps: int | None = None) -> int:
-    """Admit a random ``prompt_len`` prompt and run ``steps`` scheduler steps of it (all,
-    by default); how many ran."""
-    from chunklocal.engine.sampling import SamplingParams
-
-    sched, runner = llm.scheduler, llm.runner
+def prefill_once(llm, prompt_len: int, seq_id: int, steps: int | None = None) -> int:
+    """A random ``prompt_len`` prompt (seeded by ``seq_id``) through ``run_prompt``."""
     prompt = np.random.default_rng(seq_id).integers(0, llm.config.vocab_size,
                                                     prompt_len).tolist()
-    admit(llm, seq_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
-    ran = 0
-    while sched.has_work() and (steps is None or ran < steps):
-        batch = sched.schedule()
-        sched.postprocess(batch, runner.run(batch).tokens, frozenset())
-        ran += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return ran
+    return run_prompt(llm, seq_id, prompt, steps)
 
 
 def model_rows(model: str, args, rates, device) -> list[dict]:
@@ -138,11 +126,11 @@ def model_rows(model: str, args, rates, device) -> list[dict]:
                              max_num_batched_tokens=args.chunk, enable_prefix_caching=False,
                              gpu_memory_utilization=0.9)
     params = linear_params(llm.model)
-    prefill_once(llm, args.chunk, 10**6, device)  # warm-up: kernels, plans, autotune
+    prefill_once(llm, args.chunk, 10**6)  # warm-up: kernels, plans, autotune
     rows = []
     for n, prompt_len in enumerate(args.prompts):
         start = time.perf_counter()
-        steps = prefill_once(llm, prompt_len, n, device)
+        steps = prefill_once(llm, prompt_len, n)
         seconds = time.perf_counter() - start
         split = prefill_split(llm.config, llm.layer_kinds, params, prompt_len)
         floor = floor_seconds(split, rates)
@@ -152,7 +140,7 @@ def model_rows(model: str, args, rates, device) -> list[dict]:
         print(format_table(rows[-1:]), flush=True)
     ids = iter(range(10**6 + 1, 10**7))
     profile = floors.kernel_profile(
-        lambda: prefill_once(llm, args.chunk, next(ids), device, steps=1),
+        lambda: prefill_once(llm, args.chunk, next(ids), steps=1),
         args.profile_steps, device)
     llm.scheduler.abort_all()
     step = prefill_split(llm.config, llm.layer_kinds, params, args.chunk)

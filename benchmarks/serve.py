@@ -221,10 +221,16 @@ def closed_loop(llm, prompts, params, clients: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    ok = sum(done)
-    return {"clients": f"{clients}, in process (closed loop)", "requests": len(prompts),
-            "completed": ok, "failed": len(prompts) - ok, "wall_s": wall,
-            "requests_per_s": ok / wall, "output_tokens_per_s": ok * params.max_tokens / wall}
+    return offline_row(f"{clients}, in process (closed loop)", len(prompts), sum(done), wall,
+                       params.max_tokens)
+
+
+def offline_row(label: str, requests: int, done: int, wall: float, max_tokens: int) -> dict:
+    """A row of an in-process run, in the load test's columns (``done`` requests complete
+    with ``max_tokens`` tokens each in ``wall`` seconds)."""
+    return {"clients": label, "requests": requests, "completed": done,
+            "failed": requests - done, "wall_s": wall, "requests_per_s": done / wall,
+            "output_tokens_per_s": done * max_tokens / wall}
 
 
 def offline_floor(args, prompts) -> list[dict]:
@@ -252,9 +258,7 @@ def offline_floor(args, prompts) -> list[dict]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     done = sum(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
-    rows = [{"clients": "offline LLM.generate", "requests": len(prompts), "completed": done,
-             "failed": len(prompts) - done, "wall_s": wall, "requests_per_s": done / wall,
-             "output_tokens_per_s": done * args.max_tokens / wall}]
+    rows = [offline_row("offline LLM.generate", len(prompts), done, wall, args.max_tokens)]
     for clients in args.clients:
         rows += [waves(llm, prompts, params, clients), closed_loop(llm, prompts, params, clients)]
     llm.core.shutdown()
@@ -270,10 +274,8 @@ def waves(llm, prompts, params, clients: int) -> dict:
     for i in range(0, len(prompts), clients):
         outs = llm.generate(prompts[i:i + clients], params, use_tqdm=False)
         ok += sum(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
-    wall = time.perf_counter() - start
-    return {"clients": f"{clients}, offline in waves of {clients}", "requests": len(prompts),
-            "completed": ok, "failed": len(prompts) - ok, "wall_s": wall,
-            "requests_per_s": ok / wall, "output_tokens_per_s": ok * params.max_tokens / wall}
+    return offline_row(f"{clients}, offline in waves of {clients}", len(prompts), ok,
+                       time.perf_counter() - start, params.max_tokens)
 
 
 def main(argv=None) -> int:

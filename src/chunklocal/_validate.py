@@ -57,6 +57,17 @@ def as_bool(value, name: str) -> bool:
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def as_optional_bool(value, name: str, none_means: str) -> bool | None:
+    """:func:`as_bool`, or None (which means ``none_means``, said in the refusal)."""
+    if value is None:
+        return None
+    try:
+        return as_bool(value, name)
+    except ValueError:
+        raise ValueError(f"{name} must be True, False or None ({none_means}), "
+                         f"got {value!r}") from None
+
+
 def check_chunk_geometry(chunk_size: int, block_size: int) -> None:
     """A chunk must be a positive whole number of pages."""
     if as_int(block_size, "block_size") <= 0:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
-
-from chunklocal._validate import as_bool, as_int
+from chunklocal._validate import as_bool, as_int, as_optional_bool
 from chunklocal.backends.factory import BACKENDS
 from chunklocal.engine.memory import check_utilization
 from chunklocal.engine.prefix_cache import HASH_ALGOS
@@ -84,10 +82,8 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
     )
     if not isinstance(moe_parallel, str) or moe_parallel not in MOE_PARALLEL:
         raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {moe_parallel!r}")
-    if async_scheduling is not None and not isinstance(async_scheduling, (bool, np.bool_)):
-        raise ValueError(f"async_scheduling must be True, False or None (on where "
-                         f"supported), got {async_scheduling!r}")
-    out["async_scheduling"] = None if async_scheduling is None else bool(async_scheduling)
+    out["async_scheduling"] = as_optional_bool(async_scheduling, "async_scheduling",
+                                               "on where supported")
     for name, value in (("cuda_graphs", cuda_graphs), ("hybrid_kv_cache", hybrid_kv_cache),
                         ("enable_prefix_caching", enable_prefix_caching),
                         ("calculate_kv_scales", calculate_kv_scales)):
