@@ -37,12 +37,17 @@ from benchmarks.common import base_parser, format_table, guarded, write_json
 from benchmarks.decode_floor import MODELS, admit, fill, step_times, write_config
 
 
+def total_steps(args) -> int:
+    """Steps the run makes at most: warm-up, timed blocks and profiles, per mode."""
+    return 4 * args.repeats * args.steps + 8
+
+
 def make_engine(path, device, args):
     import chunklocal
     from chunklocal.engine import piecewise_graphs
 
     piecewise_graphs.PIECEWISE_ENABLED = device.type == "cuda"  # read at graph capture
-    steps = 4 * args.repeats * args.steps + 8
+    steps = total_steps(args)
     max_len = max(args.context + steps + 64, args.prompt + 1)
     pages = (args.decodes * -(-(args.context + steps + 64) // 16) + -(-max_len // 16)
              + args.decodes + 16)
@@ -91,8 +96,7 @@ def mixed_steps(llm, longs: LongPrompts, count: int, piecewise: bool,
 def run(args, device) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         llm = make_engine(write_config(Path(tmp) / args.model, args.model), device, args)
-    steps = 4 * args.repeats * args.steps + 8
-    fitted = fill(llm, args.decodes, args.context, steps + 32)
+    fitted = fill(llm, args.decodes, args.context, total_steps(args) + 32)
     longs = LongPrompts(llm, args.prompt, args.decodes)
     modes = ("eager", "piecewise") if llm.runner.piecewise is not None else ("eager",)
     for mode in modes:  # warm-up: first-use costs of each mode
