@@ -135,6 +135,12 @@ def _problem(rec: dict, max_tokens: int) -> str | None:
     return None
 
 
+def _problems(level: str, records, max_tokens: int) -> list[str]:
+    """``level, prompt i: problem`` for each record that is not a complete request."""
+    return [f"{level}, prompt {i}: {problem}" for i, r in records
+            if (problem := _problem(r, max_tokens)) is not None]
+
+
 async def run_level(url, model, headers, prompts, clients, max_tokens, duration, timeout):
     bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
                "ignore_eos": True, "stream": True,
@@ -254,18 +260,14 @@ def offline_floor(args, prompts) -> list[dict]:
     # for new row counts) in the timed call on the H200, where the server had been warmed
     # by its earlier client levels: offline measured below the server (2026-12-02).
     llm.generate(prompts, params, use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    done = sum(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
-    rows = [offline_row("offline LLM.generate", len(prompts), done, wall, args.max_tokens)]
+    rows = [waves(llm, prompts, params, len(prompts), label="offline LLM.generate")]
     for clients in args.clients:
         rows += [waves(llm, prompts, params, clients), closed_loop(llm, prompts, params, clients)]
     llm.core.shutdown()
     return rows
 
 
-def waves(llm, prompts, params, clients: int) -> dict:
+def waves(llm, prompts, params, clients: int, label: str | None = None) -> dict:
     """Offline at the level's concurrency: ``LLM.generate`` on ``clients`` prompts at a time,
     one wave after another.  The all-at-once row batches up to ``--max-num-seqs``, which a
     level of fewer clients can never reach; this row is the floor a server with that many
@@ -274,7 +276,7 @@ def waves(llm, prompts, params, clients: int) -> dict:
     for i in range(0, len(prompts), clients):
         outs = llm.generate(prompts[i:i + clients], params, use_tqdm=False)
         ok += sum(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
-    return offline_row(f"{clients}, offline in waves of {clients}", len(prompts), ok,
+    return offline_row(label or f"{clients}, offline in waves of {clients}", len(prompts), ok,
                        time.perf_counter() - start, params.max_tokens)
 
 
@@ -352,8 +354,7 @@ def _run(args, headers, proc) -> int:
         records, _ = asyncio.run(run_level(args.url, model, headers,
                                            prompts[:args.warmup_requests], args.clients[0],
                                            args.max_tokens, args.duration, args.timeout))
-        problems += [f"warm-up, prompt {i}: {_problem(r, args.max_tokens)}"
-                     for i, r in records if _problem(r, args.max_tokens) is not None]
+        problems += _problems("warm-up", records, args.max_tokens)
     for clients in args.clients:
         before = proc_cpu.sample(proc.pid) if proc is not None else {}
         records, wall = asyncio.run(run_level(args.url, model, headers, prompts, clients,
@@ -362,8 +363,7 @@ def _run(args, headers, proc) -> int:
         if before:  # which thread of the server or the engine process was saturated
             cpu[clients] = proc_cpu.usage(before, proc_cpu.sample(proc.pid), wall, proc.pid)
             print(f"{clients} clients, CPU: {proc_cpu.summary(cpu[clients])}", flush=True)
-        problems += [f"{clients} clients, prompt {i}: {_problem(r, args.max_tokens)}"
-                     for i, r in records if _problem(r, args.max_tokens) is not None]
+        problems += _problems(f"{clients} clients", records, args.max_tokens)
         problems += asyncio.run(verify(args.url, model, headers, prompts, records,
                                        args.max_tokens, args.verify))
         print(format_table([rows[-1]]), flush=True)
