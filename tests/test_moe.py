@@ -133,18 +133,24 @@ def test_routing_scales_expert_input_not_output():
 
 
 @settings(max_examples=50, deadline=None)
-@given(tokens=st.integers(1, 300), slots=st.integers(1, 3), num_groups=st.integers(1, 130),
-       seed=st.integers(0, 2**16))
-def test_sort_by_expert_offsets(tokens, slots, num_groups, seed):
-    """offs are int32 group ends, order lists every pair once, grouped and stable."""
+@given(tokens=st.integers(1, 300), slots=st.integers(1, 3),
+       num_groups=st.one_of(st.integers(1, 130), st.integers(250, 260),
+                            st.integers(32_760, 32_775)),
+       past_end=st.booleans(), seed=st.integers(0, 2**16))
+def test_sort_by_expert_offsets(tokens, slots, num_groups, past_end, seed):
+    """offs are int32 group ends, order lists every pair once, grouped and stable; pairs
+    with id ``num_groups`` (another rank's) sort after every group.  The group counts
+    around 255 and 32,767 are where the sort's narrowed key type changes."""
     gen = torch.Generator().manual_seed(seed)
-    expert = torch.randint(num_groups, (tokens, slots), generator=gen)
+    expert = torch.randint(num_groups + past_end, (tokens, slots), generator=gen)
+    expert[0, 0] = num_groups - 1 + past_end  # the largest id is always present
     order, offs = sort_by_expert(expert, num_groups)
     flat = expert.reshape(-1)
-    counts = torch.bincount(flat, minlength=num_groups)
+    counts = torch.bincount(flat, minlength=num_groups + 1)[:num_groups]
     assert offs.dtype == torch.int32 and offs.shape == (num_groups,)
     assert offs.tolist() == torch.cumsum(counts, 0).tolist()
     assert sorted(order.tolist()) == list(range(tokens * slots))
+    assert (flat[order[int(offs[-1]):]] == num_groups).all()
     starts = [0] + offs[:-1].tolist()
     for e, (a, b) in enumerate(zip(starts, offs.tolist(), strict=True)):
         assert (flat[order[a:b]] == e).all()
