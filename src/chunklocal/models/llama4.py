@@ -21,6 +21,7 @@ from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.kv_quant import calibrated_scales, is_fp8, write_fp8
 from chunklocal.kv_spec import softmax_scale
 from chunklocal.models.fused import GatedMLPBase, fuse_into
+from chunklocal.models.kv_write_triton import kv_write_available, write_kv_fp8
 from chunklocal.models.llama4_config import (  # noqa: F401  (load_text_config: re-exported)
     activation,
     layer_kind,
@@ -177,8 +178,12 @@ class Attention(nn.Module):
             if self.calibrate_kv:  # calculate_kv_scales: before the first page is written
                 self.k_scale, self.v_scale = calibrated_scales(k, v)
                 self.calibrate_kv = False
-            write_fp8(flat_k, step.slot_mapping, k, self.k_scale)
-            write_fp8(flat_v, step.slot_mapping, v, self.v_scale)
+            if kv_write_available(k, v):  # one launch for both (the switch is checked)
+                write_kv_fp8(flat_k, flat_v, step.slot_mapping, k, v, self.k_scale,
+                             self.v_scale)
+            else:
+                write_fp8(flat_k, step.slot_mapping, k, self.k_scale)
+                write_fp8(flat_v, step.slot_mapping, v, self.v_scale)
             out = step.backend.forward(step.metadata, q, k_cache, v_cache, self.scale,
                                        kind=step.kind, k_scale=self.k_scale,
                                        v_scale=self.v_scale)
