@@ -108,14 +108,17 @@ def capacity_row(path, device, kv_dtype, args) -> dict:
     """How many 1k/1k requests the pools hold at once, and the decode step at that batch."""
     from benchmarks import decode_floor
 
+    start = time.perf_counter()
     llm = engine(path, device, kv_dtype, args.max_seqs, 2048, args.gpu_memory_utilization)
+    startup_s = time.perf_counter() - start  # weights, memory profile, graph capture
     fitted = decode_floor.fill(llm, args.max_seqs, args.context, args.steps + 16)
     decode_floor.timed_steps(llm, 3, True, device)
     steps = decode_floor.timed_steps(llm, args.steps, True, device)
     row = {"kv_cache_dtype": kv_dtype, "max_model_len": 2048, "context": args.context,
            "asked": args.max_seqs, "fit": fitted, "decode_ms": statistics.median(steps),
            "out_tok_per_s": fitted / statistics.median(steps) * 1e3,
-           "kv_pages_per_group": [g.num_blocks for g in llm.groups]}
+           "kv_pages_per_group": [g.num_blocks for g in llm.groups],
+           "startup_s": startup_s}
     llm.shutdown()
     return row
 
