@@ -187,9 +187,16 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, pattern in _CLASS_RES if pattern.search(name)), "other")
 
 
+#: Kernels (and launching ops) a profile keeps, by device time (launches for ops): enough
+#: to see the small launches of a decode step (about 60 per layer), not only its GEMMs.
+KERNELS_KEPT = 60
+
+
 def kernel_profile(step, num_steps: int, device) -> dict:
-    """Run ``step()`` ``num_steps`` times under torch.profiler: device ms per kernel (top 12)
-    and device idle ms per step."""
+    """Run ``step()`` ``num_steps`` times under torch.profiler: device ms per kernel (the
+    top ``KERNELS_KEPT``), per issue-19 class with launches, per launching torch op (eager
+    steps only: a graph replay's kernels have no launching op; it names the ops whose
+    small kernels are worth fusing), and device idle ms per step."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -201,13 +208,24 @@ def kernel_profile(step, num_steps: int, device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     spans, per_kernel, launches = [], defaultdict(float), defaultdict(int)
+    by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             spans.append((event.time_range.start, event.time_range.end))
             per_kernel[event.name] += (event.time_range.end - event.time_range.start) / 1e3
             launches[event.name] += 1
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
-    result = {"kernels_ms_per_step": {name[:80]: ms / num_steps for name, ms in top}}
+        for kernel in getattr(event, "kernels", None) or ():
+            row = by_op[event.name]
+            row[0] += kernel.duration / 1e3 / num_steps
+            row[1] += 1 / num_steps
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:KERNELS_KEPT]
+    result = {"kernels_ms_per_step": {name[:120]: ms / num_steps for name, ms in top},
+              "kernel_launches_per_step": {name[:120]: launches[name] / num_steps
+                                           for name, _ in top}}
+    if by_op:
+        ops = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:KERNELS_KEPT]
+        result["launches_by_op_per_step"] = {op: {"ms": ms, "launches": n}
+                                             for op, (ms, n) in ops}
     classes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for name, ms in per_kernel.items():
         row = classes[kernel_class(name)]

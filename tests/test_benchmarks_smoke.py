@@ -693,3 +693,51 @@ def test_prefix_chat_smoke(tmp_path):
     assert cached[False] == 0 and cached[True] > 0
     warm = [r for r in data["cached_prefix"] if r["caching"]]
     assert warm and all(r["warm_cached_tokens"] == 128 for r in warm)
+
+
+def test_kernel_profile_tables_from_profiler_events(monkeypatch):
+    """floors.kernel_profile's tables from torch.profiler's events, with a stand-in
+    profiler whose events are shaped as torch's: CUDA events carry device time, and the
+    launching aten ops carry their kernels (``FunctionEvent.kernels``)."""
+    from types import SimpleNamespace
+
+    import torch.profiler
+    from torch.autograd.profiler_util import Kernel
+
+    from benchmarks import floors
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def kernel_event(name, start, end):
+        return SimpleNamespace(device_type=cuda, name=name, kernels=[],
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [kernel_event("nvjet_sm90_tst_64x8", 0, 40),
+              kernel_event("elementwise_kernel", 50, 54),
+              kernel_event("elementwise_kernel", 60, 66),
+              SimpleNamespace(device_type=cpu, name="aten::mul", time_range=None,
+                              kernels=[Kernel("elementwise_kernel", 0, 4),
+                                       Kernel("elementwise_kernel", 0, 6)]),
+              SimpleNamespace(device_type=cpu, name="aten::mm", time_range=None,
+                              kernels=[Kernel("nvjet_sm90_tst_64x8", 0, 40)])]
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return SimpleNamespace(events=lambda: events)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    got = floors.kernel_profile(lambda: None, 2, torch.device("cpu"))
+    assert got["kernels_ms_per_step"] == {"nvjet_sm90_tst_64x8": 0.02,
+                                          "elementwise_kernel": 0.005}
+    assert got["kernel_launches_per_step"] == {"nvjet_sm90_tst_64x8": 0.5,
+                                               "elementwise_kernel": 1.0}
+    assert got["launches_by_op_per_step"] == {"aten::mul": {"ms": 0.005, "launches": 1.0},
+                                              "aten::mm": {"ms": 0.02, "launches": 0.5}}
+    assert got["device_busy_ms_per_step"] == 0.025  # 50 us of 66 busy, over 2 steps
+    assert got["device_idle_ms_per_step"] == 0.008
