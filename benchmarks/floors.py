@@ -172,7 +172,7 @@ KERNEL_CLASSES = (
     ("dense GEMMs, bf16", r"nvjet|gemm|Gemm|cutlass|sm90_xmma|cublas"),
     ("attention", r"flashinfer::Batch|Attention|flash_fwd|fmha"),
     ("sampling", r"Sampling|TopK|TopP|argmax|ArgMax|softmax|Softmax|multinomial"),
-    ("KV writes", r"index_copy|index_put|scatter|AppendPaged|append_paged"),
+    ("KV writes", r"index_copy|index_put|scatter|AppendPaged|append_paged|_write_kv_kernel"),
     ("quantization (amax)", r"reduce_kernel.*(Max|max)|amax|quant"),
     ("norms, reductions", r"reduce_kernel|rms|norm|Norm"),
     ("copies", r"direct_copy|copy_kernel|Memcpy|memcpy|cat_|CatArray"),

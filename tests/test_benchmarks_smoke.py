@@ -277,6 +277,7 @@ TRITON_KERNEL_CLASSES = {
     "_quantize_rows_kernel": "quantization (amax)",
     "_add_rms_norm_kernel": "norms, reductions",
     "_rope_norm_kernel": "norms, reductions",  # rope + QK norm
+    "_write_kv_kernel": "KV writes",  # the FP8 KV write, quantization included
 }
 
 
