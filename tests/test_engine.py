@@ -380,6 +380,28 @@ def test_string_prompt_without_a_tokenizer(ckpt):
     assert llm.generate(good, max_new_tokens=4) == [hf_greedy(hf, good[0], 4)]
 
 
+def test_a_missing_tokenizer_is_looked_for_once(ckpt, monkeypatch):
+    """Without tokenizer files every access raises the same ValueError, but the directory
+    is searched once (requests ask for the tokenizer on the engine's per-request path)."""
+    from chunklocal.engine import llm as llm_module
+    from chunklocal.engine.requests import load_tokenizer
+
+    path, _ = ckpt
+    llm = chunklocal.LLM(path, max_model_len=64)
+    looks = []
+
+    def counted(where):
+        looks.append(where)
+        return load_tokenizer(where)
+
+    monkeypatch.setattr(llm_module, "load_tokenizer", counted)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="has no tokenizer"):
+            _ = llm.tokenizer
+    assert len(looks) == 1
+    assert llm.core.tokenizer is None  # the engine core's "none"
+
+
 def test_eos_among_accepted_drafts_stops_like_k0(ckpt):
     """With prompt-lookup drafts an EOS can arrive inside an accepted draft: the request
     must stop right after it, as without speculation.  The prompt ends with the model's own

@@ -278,9 +278,16 @@ class LLM(OwnsWorkers):
     # -- requests -----------------------------------------------------------------------------
     @property
     def tokenizer(self):
-        """The tokenizer (transformers' AutoTokenizer) of ``tokenizer``, else the model's."""
+        """The tokenizer (transformers' AutoTokenizer) of ``tokenizer``, else the model's.
+        Loaded once: a directory without one raises the same ValueError on every access
+        without looking again (the engine's per-request path asks; each look was ~50 us)."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.engine_config.tokenizer or self.model_dir)
+            try:
+                self._tokenizer = load_tokenizer(self.engine_config.tokenizer or self.model_dir)
+            except ValueError as err:
+                self._tokenizer = err
+        if isinstance(self._tokenizer, ValueError):
+            raise ValueError(str(self._tokenizer)) from self._tokenizer
         return self._tokenizer
 
     def _check_prompts(self, prompts, max_new_tokens, room_for_new_tokens=True):
