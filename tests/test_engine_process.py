@@ -76,6 +76,15 @@ def test_streamed_snapshots_grow_to_the_result(core):
     assert lengths == sorted(lengths) and lengths[-1] == 16 and snaps[-1].finished
     texts = [s.outputs[0].text for s in snaps]
     assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
+    # metrics and the cached count travel only when they change (first token, finish):
+    # every snapshot with a token still carries them, the last one its finish and TPOT
+    with_tokens = [s for s in snaps if s.outputs[0].token_ids]
+    assert all(s.metrics.first_token_time is not None and s.metrics.time_to_first_token > 0
+               and s.num_cached_tokens == 0 for s in with_tokens)
+    assert len({s.metrics.first_token_time for s in with_tokens}) == 1
+    assert all(s.metrics.finished_time is None for s in snaps[:-1])
+    last = snaps[-1].metrics
+    assert last.finished_time >= last.first_token_time and last.time_per_output_token > 0
 
 
 def test_refusals_and_a_full_queue_raise_with_nothing_queued(core):

@@ -32,6 +32,10 @@ class _Forwarder(threading.Thread):
         self._lock, self._event = threading.Lock(), threading.Event()
         self._dirty: set = set()
         self._sent: dict[str, list[tuple[int, int, int]]] = {}
+        #: (first token time, finish time, cached tokens) last sent per request: metrics and
+        #: the cached count go only when they change (first token, finish), as None
+        #: otherwise: the dataclass in every delta was most of a batch's pickling.
+        self._meta: dict[str, tuple] = {}
         self.stopping = False
 
     def watch(self, streams) -> None:
@@ -77,11 +81,16 @@ class _Forwarder(threading.Thread):
             sent[i] = (len(s.token_ids), len(text), 0 if s.logprobs is None else len(s.logprobs))
         error = None if req.error is None else _portable(req.error)
         done = req.finished or error is not None
+        cached = req.samples[0].seq.num_cached_tokens if req.samples else None
+        meta = (req.first_token_time, req.finished_time, cached)
+        changed = done or self._meta.get(req.request_id) != meta
+        self._meta[req.request_id] = meta
         if done:
             self._sent.pop(req.request_id, None)
+            self._meta.pop(req.request_id, None)
             stream.listener = None
-        cached = req.samples[0].seq.num_cached_tokens if req.samples else None
-        return req.request_id, samples, req.finished, error, req.metrics(), cached
+        return (req.request_id, samples, req.finished, error,
+                req.metrics() if changed else None, cached if changed else None)
 
 
 def child_main(conn, model, llm_kwargs: dict, max_logprobs: int, log_level: int) -> None:

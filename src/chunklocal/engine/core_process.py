@@ -71,8 +71,9 @@ class _RemoteRequest:
                 out.logprobs = (out.logprobs or []) + lps
                 out.cumulative_logprob = cumulative
             out.finish_reason, out.stop_reason = reason, stop
-        self.finished, self.error, self.metrics = finished, error, metrics
-        self.num_cached_tokens = cached
+        self.finished, self.error = finished, error
+        if metrics is not None:  # None: unchanged since the last delta (core_child)
+            self.metrics, self.num_cached_tokens = metrics, cached
 
     def snapshot(self) -> RequestOutput:
         outs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
