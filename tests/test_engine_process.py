@@ -80,8 +80,11 @@ def test_streamed_snapshots_grow_to_the_result(core):
     # every snapshot with a token still carries them, the last one its finish and TPOT
     with_tokens = [s for s in snaps if s.outputs[0].token_ids]
     assert all(s.metrics.first_token_time is not None and s.metrics.time_to_first_token > 0
-               and s.num_cached_tokens == 0 for s in with_tokens)
+               for s in with_tokens)
     assert len({s.metrics.first_token_time for s in with_tokens}) == 1
+    # the prefix cache may hold the prompt from an earlier test: a count, the same in each
+    cached = {s.num_cached_tokens for s in with_tokens}
+    assert len(cached) == 1 and isinstance(cached.pop(), int)
     assert all(s.metrics.finished_time is None for s in snaps[:-1])
     last = snaps[-1].metrics
     assert last.finished_time >= last.first_token_time and last.time_per_output_token > 0
