@@ -239,31 +239,57 @@ def prefill_cell(llm, model, prompt_len, rates, device) -> dict:
 
 def alternate(path, device, args, rates) -> list[dict]:
     """The chunked model against the same weights unchunked: ``args.alternate`` repeats of
-    ``args.steps`` steps each, alternated, graphs and eager."""
+    ``args.steps`` steps each, alternated, graphs and eager.  Both engines stay loaded when
+    the device holds two; otherwise (full-size Scout: 105 GiB of weights each) every repeat
+    loads one engine, measures it and frees it before the other loads."""
     batch, context = args.alternate_batch, args.alternate_context
     new = args.alternate * args.steps * 2 + 32
-    unchunked = write_config(path.parent / (path.name + "-unchunked"), args.models[0], False)
+    paths = {"chunked": path, "unchunked": write_config(
+        path.parent / (path.name + "-unchunked"), args.models[0], False)}
     pages = batch * -(-(context + new + 80) // 16)
-    llms = {name: make_llm(p, device, batch, context + new + 80, pages)
-            for name, p in (("chunked", path), ("unchunked", unchunked))}
-    for llm in llms.values():
+
+    def load(name):
+        llm = make_llm(paths[name], device, batch, context + new + 80, pages)
         if fill(llm, batch, context, new) != batch:
             raise RuntimeError("the alternation's batch does not fit")
         timed_steps(llm, 3, True, device)
-    runs = {(n, m): [] for n in llms for m in ("graphs", "eager")}
+        return llm
+
+    free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    llms = {"chunked": load("chunked")}
+    if device.type == "cuda":  # a second engine needs what the first took, and some slack
+        free_after = torch.cuda.mem_get_info(device)[0]
+        resident = free_after > 1.2 * (free_before - free_after)
+    else:
+        resident = True
+    resident = resident and not args.alternate_reload
+    if resident:
+        llms["unchunked"] = load("unchunked")
+    runs = {(n, m): [] for n in paths for m in ("graphs", "eager")}
     for _ in range(args.alternate):
-        for (name, mode), medians in runs.items():
-            medians.append(statistics.median(
-                timed_steps(llms[name], args.steps, mode == "graphs", device)))
+        for name in paths:
+            llm = llms.get(name) or load(name)
+            for mode in ("graphs", "eager"):
+                runs[(name, mode)].append(statistics.median(
+                    timed_steps(llm, args.steps, mode == "graphs", device)))
+            if not resident:
+                llm.shutdown()
+                llms.clear()
+                del llm
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     rows = []
     for (name, mode), medians in runs.items():
         rows.append({"model": name, "mode": mode, "batch": batch, "context": context,
-                     "median_ms": statistics.median(medians), "min_ms": min(medians),
-                     "max_ms": max(medians), "repeats_ms": medians})
+                     "resident": resident, "median_ms": statistics.median(medians),
+                     "min_ms": min(medians), "max_ms": max(medians), "repeats_ms": medians})
     for mode in ("graphs", "eager"):
         a, b = (runs[("chunked", mode)], runs[("unchunked", mode)])
         rows.append({"model": "chunked / unchunked", "mode": mode,
                      "median_ms": statistics.median(a) / statistics.median(b)})
+    for llm in llms.values():
+        llm.shutdown()
     del llms
     gc.collect()
     return rows
@@ -360,6 +386,8 @@ def main(argv=None) -> int:
     parser.add_argument("--alternate", type=int, default=0)
     parser.add_argument("--alternate-batch", type=int, default=64)
     parser.add_argument("--alternate-context", type=int, default=1024)
+    parser.add_argument("--alternate-reload", action="store_true",
+                        help="load one engine per repeat even when the device holds two")
     parser.add_argument("--routing", choices=("balanced", "model"), default="balanced",
                         help="balanced: floors.BalancedRouting (spread, as trained routers)")
     args = parser.parse_args(argv)

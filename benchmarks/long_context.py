@@ -104,6 +104,18 @@ def long_row(path, device, args, progress=lambda row: None) -> dict:
     return row
 
 
+def memory_gib(llm) -> dict | None:
+    """Where ``gpu_memory_utilization`` went (GiB): what the KV pools could not take."""
+    from chunklocal.bounds.kv_pools import GIB
+
+    budget = llm.memory_budget
+    if budget is None:  # the CPU: a RAM budget, nothing profiled
+        return None
+    return {name: getattr(budget, name) / GIB for name in
+            ("total", "weights", "activations", "graphs", "outside_torch", "headroom")} | {
+        "requested": budget.requested / GIB, "kv": llm.kv_pools.total_bytes / GIB}
+
+
 def capacity_row(path, device, kv_dtype, args) -> dict:
     """How many 1k/1k requests the pools hold at once, and the decode step at that batch."""
     from benchmarks import decode_floor
@@ -118,7 +130,7 @@ def capacity_row(path, device, kv_dtype, args) -> dict:
            "asked": args.max_seqs, "fit": fitted, "decode_ms": statistics.median(steps),
            "out_tok_per_s": fitted / statistics.median(steps) * 1e3,
            "kv_pages_per_group": [g.num_blocks for g in llm.groups],
-           "startup_s": startup_s}
+           "startup_s": startup_s, "memory_gib": memory_gib(llm)}
     llm.shutdown()
     return row
 

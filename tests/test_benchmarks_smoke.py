@@ -335,6 +335,24 @@ def test_long_context_smoke(tmp_path, monkeypatch, capsys):
     rows = _load(tmp_path / "long_context_capacity_smoke.json")["rows"]
     assert [r["kv_cache_dtype"] for r in rows] == ["auto", "fp8"]
     assert all(r["fit"] == r["asked"] == 6 and r["decode_ms"] > 0 for r in rows)
+    assert all(r["memory_gib"] is None for r in rows)  # the CPU profiles nothing
+
+
+def test_long_context_names_where_the_memory_went():
+    """On a GPU each capacity row carries the budget's parts (what the KV pools could not
+    take); read from a profiled budget, in GiB."""
+    from types import SimpleNamespace
+
+    from benchmarks import long_context
+    from chunklocal.engine.memory import MemoryBudget
+
+    gib = 1 << 30
+    budget = MemoryBudget(0.9, 140 * gib, 105 * gib, 2 * gib, gib, gib // 2, gib // 8)
+    llm = SimpleNamespace(memory_budget=budget,
+                          kv_pools=SimpleNamespace(total_bytes=7 * gib))
+    got = long_context.memory_gib(llm)
+    assert got == {"total": 140, "weights": 105, "activations": 2, "graphs": 1,
+                   "outside_torch": 0.5, "headroom": 0.125, "requested": 126, "kv": 7}
 
 
 def test_fp8_kv_accuracy_smoke(tmp_path):
@@ -456,6 +474,21 @@ def test_decode_floor_smoke(tmp_path):
     assert [r["prompt_len"] for r in data["prefill"]] == [90]
     assert {(r["model"], r["mode"]) for r in data["alternate"]} >= {("chunked", "graphs"),
                                                                     ("unchunked", "eager")}
+
+
+def test_decode_floor_alternates_one_engine_at_a_time(tmp_path):
+    """--alternate-reload: the path full-size Scout takes (two engines do not fit one H200;
+    the session-12 run failed building the second): every repeat of each model is measured
+    on an engine loaded for it, and the repeats still alternate."""
+    from benchmarks import decode_floor
+
+    assert decode_floor.main(["--smoke", "--alternate-reload", "--out", str(tmp_path)]) == 0
+    rows = _load(tmp_path / "decode_floor_smoke.json")["alternate"]
+    measured = [r for r in rows if r["model"] in ("chunked", "unchunked")]
+    assert {(r["model"], r["mode"]) for r in measured} == {
+        (m, mode) for m in ("chunked", "unchunked") for mode in ("graphs", "eager")}
+    assert all(not r["resident"] and len(r["repeats_ms"]) == 2 for r in measured)
+    assert [r["model"] for r in rows][-2:] == ["chunked / unchunked"] * 2
 
 
 def test_mixed_step_smoke_times_only_mixed_steps(tmp_path):

@@ -127,6 +127,9 @@ def test_budget_pools_are_the_most_that_fit(budget, max_num_seqs):
                             r"needs 8 blocks"),
     (dict(num_kv_blocks=8, available=1000), r"num_kv_blocks=8 needs .* GiB of KV cache"),
     (dict(weight_bytes=2 * 10**9), r"the weights need 1.9 GiB"),
+    # another engine's weights on the device: totals, never a negative "available"
+    (dict(num_kv_blocks=8, weight_bytes=2 * 10**9),
+     r"0.9 GiB is available on cpu, 1.9 GiB of weights take it first \(no room left for KV\)"),
     (dict(available=5000), r"one request of max_model_len 128 needs"),
 ])
 def test_refusals(kwargs, message):

@@ -100,3 +100,13 @@ def test_attention_calls_the_kernel_with_each_cache_and_scale(ckpt, monkeypatch)
     assert llm.generate(prompts, max_new_tokens=12) == want
     layers = len(llm.model.layers)
     assert len(calls) >= layers and len(calls) % layers == 0
+
+
+def test_the_kernel_is_on_by_default_and_needs_a_gpu():
+    """On unless CHUNKLOCAL_KV_WRITE_TRITON=0 (the twelfth session's H200 run measured it);
+    CPU tensors never reach it."""
+    from chunklocal.models import kv_write_triton
+
+    assert kv_write_triton.KV_WRITE_ENABLED
+    k = torch.zeros(3, 8, 128)
+    assert not kv_write_triton.kv_write_available(k, k)

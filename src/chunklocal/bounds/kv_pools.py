@@ -170,8 +170,14 @@ def plan_kv_pools(layers_of: dict[Kind, int], specs: dict[Kind, Any], *, hybrid:
     # One scratch page per group past the pool (KVGroup.scratch_page), every layer's K and V.
     kv_bytes = sum(g.bytes for g in groups)
     if kv_bytes + weight_bytes + reserved_bytes > available:
+        # Said as totals: with another engine's weights on the device, ``available`` can
+        # be below this engine's weights, and "the -87.3 GiB available" read as a bug.
+        extra = f" and {reserved_bytes / GIB:.1f} GiB of activations" if reserved_bytes else ""
+        room = available - weight_bytes - reserved_bytes
+        left = f"{room / GIB:.1f} GiB left for KV" if room > 0 else "no room left for KV"
         raise ValueError(
             f"num_kv_blocks={num_kv_blocks} needs {kv_bytes / GIB:.1f} GiB of KV cache, "
-            f"more than the {(available - weight_bytes - reserved_bytes) / GIB:.1f} GiB "
-            f"available on {device_type} after {weight_bytes / GIB:.1f} GiB of weights")
+            f"more than fits: {available / GIB:.1f} GiB is available on {device_type}, "
+            f"{weight_bytes / GIB:.1f} GiB of weights{extra} take it first ({left}); pass "
+            f"a smaller num_kv_blocks or free the device")
     return KVPoolPlan(groups, num_kv_blocks, kv_bytes)
