@@ -72,11 +72,12 @@ def write_config(path: Path, model: str, chunked: bool = True) -> Path:
     return write_llama4_config(path, text, quant)
 
 
-def make_llm(path, device, max_num_seqs, max_model_len, num_kv_blocks):
+def make_llm(path, device, max_num_seqs, max_model_len, num_kv_blocks, kv_cache_dtype="auto"):
     import chunklocal
 
     return chunklocal.LLM(path, device=str(device), load_format="dummy",
                           dtype=None if device.type == "cuda" else torch.float32,
+                          kv_cache_dtype=kv_cache_dtype,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max(8192, max_num_seqs),
                           num_kv_blocks=num_kv_blocks, cuda_graphs=device.type == "cuda")
@@ -249,7 +250,8 @@ def alternate(path, device, args, rates) -> list[dict]:
     pages = batch * -(-(context + new + 80) // 16)
 
     def load(name):
-        llm = make_llm(paths[name], device, batch, context + new + 80, pages)
+        llm = make_llm(paths[name], device, batch, context + new + 80, pages,
+                       args.kv_cache_dtype)
         if fill(llm, batch, context, new) != batch:
             raise RuntimeError("the alternation's batch does not fit")
         timed_steps(llm, 3, True, device)
@@ -319,15 +321,16 @@ def kv_bytes(llm) -> int:
                for grp, n in zip(llm.groups, layers, strict=True))
 
 
-def make_llm_with_kv(path, device, max_num_seqs, max_model_len, fraction=0.8):
+def make_llm_with_kv(path, device, max_num_seqs, max_model_len, fraction=0.8,
+                     kv_cache_dtype="auto"):
     """An engine whose KV pool holds every request at max_model_len if that fits, else
     ``fraction`` of the memory left after the weights (LLM's default budget is 40%)."""
     whole = max_num_seqs * -(-max_model_len // 16)
     try:
-        return make_llm(path, device, max_num_seqs, max_model_len, whole)
+        return make_llm(path, device, max_num_seqs, max_model_len, whole, kv_cache_dtype)
     except ValueError as err:  # does not fit: measure what is left, then size from it
         print(f"{whole} KV pages do not fit ({err}); sizing from free memory", flush=True)
-    llm = make_llm(path, device, max_num_seqs, max_model_len, None)
+    llm = make_llm(path, device, max_num_seqs, max_model_len, None, kv_cache_dtype)
     if device.type != "cuda":
         return llm
     now = max(g.num_blocks for g in llm.groups)  # num_kv_blocks: the global group's size
@@ -339,7 +342,7 @@ def make_llm_with_kv(path, device, max_num_seqs, max_model_len, fraction=0.8):
     torch.cuda.empty_cache()
     for pages in (target, None):
         try:
-            return make_llm(path, device, max_num_seqs, max_model_len, pages)
+            return make_llm(path, device, max_num_seqs, max_model_len, pages, kv_cache_dtype)
         except (ValueError, torch.OutOfMemoryError) as err:
             print(f"{pages} KV pages failed ({type(err).__name__}); trying the default",
                   flush=True)
@@ -351,8 +354,8 @@ def make_llm_with_kv(path, device, max_num_seqs, max_model_len, fraction=0.8):
 def run_model(model, path, args, rates, device, rows, prefill, errors, save) -> None:
     """Every (context, batch) decode cell and the prefill of one model, on one engine."""
     max_len = max(args.contexts + [args.prefill]) + 3 * args.steps + 96
-    llm = guarded(model, lambda: make_llm_with_kv(path, device, max(args.batches), max_len),
-                  errors)
+    llm = guarded(model, lambda: make_llm_with_kv(path, device, max(args.batches), max_len,
+                                                  kv_cache_dtype=args.kv_cache_dtype), errors)
     if llm is None:
         return
     for context in args.contexts:
@@ -386,6 +389,8 @@ def main(argv=None) -> int:
     parser.add_argument("--alternate", type=int, default=0)
     parser.add_argument("--alternate-batch", type=int, default=64)
     parser.add_argument("--alternate-context", type=int, default=1024)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="the KV pages' dtype (the floor counts their bytes)")
     parser.add_argument("--alternate-reload", action="store_true",
                         help="load one engine per repeat even when the device holds two")
     parser.add_argument("--routing", choices=("balanced", "model"), default="balanced",

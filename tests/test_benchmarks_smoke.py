@@ -491,6 +491,19 @@ def test_decode_floor_alternates_one_engine_at_a_time(tmp_path):
     assert [r["model"] for r in rows][-2:] == ["chunked / unchunked"] * 2
 
 
+def test_decode_floor_counts_fp8_pages_at_one_byte(tmp_path):
+    """--kv-cache-dtype fp8: the same cells, the KV bytes of the floor a quarter of the
+    float32 pages' (e4m3, one byte a value)."""
+    from benchmarks import decode_floor
+
+    bytes_of = {}
+    for dtype in ("auto", "fp8"):
+        out = tmp_path / dtype
+        assert decode_floor.main(["--smoke", "--kv-cache-dtype", dtype, "--out", str(out)]) == 0
+        bytes_of[dtype] = [r["kv_bytes"] for r in _load(out / "decode_floor_smoke.json")["decode"]]
+    assert bytes_of["fp8"] and [4 * b for b in bytes_of["fp8"]] == bytes_of["auto"]
+
+
 def test_mixed_step_smoke_times_only_mixed_steps(tmp_path):
     """benchmarks/mixed_step.py --smoke: every timed step is the decodes plus one chunk of
     the long prompt (3 + 24 tokens), eager on the CPU (piecewise graphs need CUDA); the
