@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="LLM's (vLLM's default 0.9); the largest batch needs more")
     parser.add_argument("--routing", choices=("balanced", "model"), default="balanced",
                         help="balanced: spread routing (floors.BalancedRouting), whose expert "
                         "choice counts MoE calls, so outputs are compared only with 'model'")
@@ -110,7 +113,9 @@ def main(argv=None) -> int:
         llm = chunklocal.LLM(path, device=str(device), load_format="dummy",
                              dtype=None if device.type == "cuda" else torch.float32,
                              max_num_seqs=max(args.batches),
-                             max_model_len=args.context + args.new + 16)
+                             max_model_len=args.context + args.new + 16,
+                             kv_cache_dtype=args.kv_cache_dtype,
+                             gpu_memory_utilization=args.gpu_memory_utilization)
         for batch in args.batches:
             rows += guarded(f"batch {batch}",
                             lambda b=batch: batch_rows(llm, b, args, device, rates),

@@ -788,3 +788,29 @@ def test_kernel_profile_tables_from_profiler_events(monkeypatch):
                                               "aten::mm": {"ms": 0.02, "launches": 0.5}}
     assert got["device_busy_ms_per_step"] == 0.025  # 50 us of 66 busy, over 2 steps
     assert got["device_idle_ms_per_step"] == 0.008
+
+
+def test_activation_peak_finds_the_live_set_at_the_peak():
+    """The allocations live at the trace's peak, frees of blocks from before the trace
+    ignored, summed by the innermost frame of this project."""
+    from benchmarks.activation_peak import by_site, live_at_peak
+
+    ours = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": "/x/src/chunklocal/models/moe.py", "line": 40, "name": "experts"}]
+    other = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"}]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+        {"action": "free_completed", "addr": 99, "size": 1000, "frames": []},  # before
+        {"action": "alloc", "addr": 2, "size": 50, "frames": other},
+        {"action": "free_requested", "addr": 2, "size": 50, "frames": other},  # not yet
+        {"action": "alloc", "addr": 3, "size": 30, "frames": ours},            # peak 180
+        {"action": "free_completed", "addr": 2, "size": 50, "frames": other},
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": ours},
+        {"action": "alloc", "addr": 4, "size": 120, "frames": ours},           # 150 < 180
+    ]
+    peak, live = live_at_peak(events)
+    assert peak == 180 and sorted(a["addr"] for a in live) == [1, 2, 3]
+    sites = by_site(live)
+    assert [(s["site"], s["blocks"]) for s in sites] == [
+        ("chunklocal/models/moe.py:40 experts", 2), ("elsewhere", 1)]
+    assert sites[0]["gib"] * (1 << 30) == 130
