@@ -238,3 +238,38 @@ def test_dtype_without_grouped_kernel_goes_to_padded_mm(monkeypatch):
     moe_module.expert_mm(torch.randn(5, 8, dtype=torch.float64), w, offs)
     moe_module.expert_mm(torch.randn(5, 8), w.float(), offs)
     assert calls == [1]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens=st.integers(1, 300), chunk=st.integers(1, 64), top_k=st.sampled_from([1, 2]),
+       mode=st.sampled_from(sorted(MODES)), seed=st.integers(0, 2**16))
+def test_sliced_steps_equal_transformers(tokens, chunk, top_k, mode, seed):
+    """A step longer than ``chunk_tokens`` runs in ceil(T / chunk) slices (the memory
+    profile's peak; moe.MOE_CHUNK_TOKENS) and gives transformers' output, every row."""
+    hf = hf_moe(8, top_k, seed)
+    kwargs, stack = MODES[mode]
+    ours = ours_from(hf, **kwargs)
+    if stack:
+        ours.stack_shared()
+    ours.chunk_tokens = chunk
+    calls = []
+    block = ours._block
+    ours._block = lambda x: calls.append(x.shape[0]) or block(x)  # this instance only
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        expected, _ = hf(x)
+        got = ours(x)
+    assert rel_err(got, expected) < 2e-6, mode
+    assert calls == ([tokens] if tokens <= chunk else
+                     [min(chunk, tokens - s) for s in range(0, tokens, chunk)])
+
+
+def test_configure_slices_long_steps_by_default():
+    hf = hf_moe(4, 1, 0)
+    ours = ours_from(hf)
+    assert ours.chunk_tokens == 0  # a bare layer never slices
+    wrapper = torch.nn.Sequential(ours)
+    assert moe_module.configure(wrapper) == 1
+    assert ours.chunk_tokens == moe_module.MOE_CHUNK_TOKENS == 4096
+    moe_module.configure(wrapper, chunk_tokens=0)
+    assert ours.chunk_tokens == 0

@@ -26,6 +26,7 @@ Steps of at most ``triton_max_pairs`` pairs run the routed GEMMs through
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,15 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 STACK_SHARED = False    # shared expert into slot E of the stacks (float weights)
 FUSE_MAX_TOKENS = 0     # steps up to this many tokens run it as group E
 TRITON_PAIRS_PER_EXPERT = 16  # steps up to this many (token, expert) pairs per expert
+#: Longer steps run the block over slices of this many tokens, one after the other: every
+#: token's output depends on that token alone, and a slice's gate/up products, their
+#: activation and FP8 copies are freed before the next slice starts.  The memory profile
+#: reserves the largest step's peak for good (engine/memory.py); on full-size Scout FP8 an
+#: 8192-token step held about 0.9 GiB of MoE intermediates at its peak
+#: (benchmarks/activation_peak.py), KV pages that 1k/1k capacity lacked.  4096 tokens still
+#: keep the grouped GEMMs compute-bound (256 rows per expert at top-1 over 16 experts).
+#: 0: never slice.  ``CHUNKLOCAL_MOE_CHUNK_TOKENS`` sets it at import.
+MOE_CHUNK_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_CHUNK_TOKENS", "4096"))
 
 
 def router_logits(x: torch.Tensor, router) -> torch.Tensor:
@@ -173,7 +183,8 @@ def hf_expert_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor
 
 
 def configure(model: nn.Module, stack_shared: bool | None = None,
-              fuse_max_tokens: int | None = None, triton_max_pairs: int | None = None) -> int:
+              fuse_max_tokens: int | None = None, triton_max_pairs: int | None = None,
+              chunk_tokens: int | None = None) -> int:
     """Apply the module defaults above (or the given values) to every MoE layer of a
     loaded model; returns how many layers there are."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
@@ -183,6 +194,7 @@ def configure(model: nn.Module, stack_shared: bool | None = None,
         layer.fuse_max_tokens = FUSE_MAX_TOKENS if fuse_max_tokens is None else fuse_max_tokens
         layer.triton_max_pairs = (TRITON_PAIRS_PER_EXPERT * layer.num_experts
                                   if triton_max_pairs is None else triton_max_pairs)
+        layer.chunk_tokens = MOE_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
     return len(layers)
 
 
@@ -252,6 +264,7 @@ class MoE(nn.Module):
         # Steps of at most this many (token, expert) pairs use moe_triton's kernel where it
         # runs; 0 = never (the default until the benchmark shows where it pays).
         self.triton_max_pairs = 0
+        self.chunk_tokens = 0           # longer steps run in slices (MOE_CHUNK_TOKENS)
 
     @classmethod
     def from_config(cls, config, act: nn.Module, **kwargs) -> MoE:
@@ -279,6 +292,15 @@ class MoE(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step = self.chunk_tokens
+        if not step or x.shape[0] <= step:
+            return self._block(x)
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[0], step):  # a long prefill's few slices, no sync
+            out[start:start + step] = self._block(x[start:start + step])
+        return out
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
         tokens, hidden = x.shape
         expert, score = route(x, self.router, self.top_k)
         ex, num_groups = self.experts, self.num_local
