@@ -270,6 +270,6 @@ def test_configure_slices_long_steps_by_default():
     assert ours.chunk_tokens == 0  # a bare layer never slices
     wrapper = torch.nn.Sequential(ours)
     assert moe_module.configure(wrapper) == 1
-    assert ours.chunk_tokens == moe_module.MOE_CHUNK_TOKENS == 4096
+    assert ours.chunk_tokens == moe_module.MOE_CHUNK_TOKENS == 8192
     moe_module.configure(wrapper, chunk_tokens=0)
     assert ours.chunk_tokens == 0

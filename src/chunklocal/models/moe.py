@@ -47,13 +47,15 @@ FUSE_MAX_TOKENS = 0     # steps up to this many tokens run it as group E
 TRITON_PAIRS_PER_EXPERT = 16  # steps up to this many (token, expert) pairs per expert
 #: Longer steps run the block over slices of this many tokens, one after the other: every
 #: token's output depends on that token alone, and a slice's gate/up products, their
-#: activation and FP8 copies are freed before the next slice starts.  The memory profile
-#: reserves the largest step's peak for good (engine/memory.py); on full-size Scout FP8 an
-#: 8192-token step held about 0.9 GiB of MoE intermediates at its peak
-#: (benchmarks/activation_peak.py), KV pages that 1k/1k capacity lacked.  4096 tokens still
-#: keep the grouped GEMMs compute-bound (256 rows per expert at top-1 over 16 experts).
+#: activation and FP8 copies are freed before the next slice starts, so the memory
+#: profile's peak (reserved for good, engine/memory.py) holds one slice's.  Measured on
+#: full-size Scout FP8, H200 (BENCHMARKS.md): at 8192-token steps slices of 4096 lowered the
+#: profiled peak 3.35 -> 2.98 GiB and let 296 instead of 292 1k-token sequences fit, but
+#: the 8k / 32k prefill took 3-5% longer (2048: 2.75 GiB, 13-18% longer).  So the default
+#: slices only steps past vLLM's serving default of 8192 batched tokens: no cost there, and
+#: a larger ``max_num_batched_tokens`` does not grow the MoE's share of the peak.
 #: 0: never slice.  ``CHUNKLOCAL_MOE_CHUNK_TOKENS`` sets it at import.
-MOE_CHUNK_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_CHUNK_TOKENS", "4096"))
+MOE_CHUNK_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_CHUNK_TOKENS", "8192"))
 
 
 def router_logits(x: torch.Tensor, router) -> torch.Tensor:
