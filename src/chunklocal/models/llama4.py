@@ -273,6 +273,10 @@ class DecoderLayer(nn.Module):
         layer's feed-forward output and the residual stream it has not been added to."""
         q, k, v, residual = self.before_attention(h, residual, q_scale, freqs_cis)
         out = self.self_attn.attend(q, k, v, steps[self.self_attn.kind])
+        # The queries, keys and values are dead: without the del they stay referenced by
+        # this frame through the feed-forward, where the largest step's memory peaks
+        # (0.3 GiB of a full-size Scout 8192-token step; benchmarks/activation_peak.py).
+        del q, k, v
         return self.after_attention(out, residual)
 
     def before_attention(self, h, residual, q_scale, freqs_cis):
@@ -283,8 +287,8 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, out, residual):
         """o_proj, the norm and the feed-forward: ``(h, residual)`` as :meth:`forward`."""
-        h = self.self_attn.output(out, residual.dtype)
-        normed, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
+        normed, residual = add_rms_norm(self.self_attn.output(out, residual.dtype), residual,
+                                        self.post_attention_layernorm)  # o_proj's out freed
         return self.feed_forward(normed), residual
 
 
