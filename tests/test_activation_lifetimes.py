@@ -14,31 +14,51 @@ from chunklocal.models import llama4
 from chunklocal.models import moe as moe_module
 
 
-def test_queries_keys_and_values_are_freed_before_the_feed_forward(ckpt, monkeypatch):
+def test_a_layers_dead_tensors_are_freed_before_its_feed_forward(ckpt, monkeypatch):
+    """When a layer's feed-forward starts, nothing references its inputs (the previous
+    layer's output and residual stream), its queries/keys/values, the attention's output,
+    o_proj's output or the residual stream before the second add: only the normed input
+    of the feed-forward and the new residual stream are left."""
     path, _ = ckpt
     llm = chunklocal.LLM(path, dtype=torch.float32, max_num_seqs=2, max_model_len=64,
                          num_kv_blocks=16)
-    refs: list[weakref.ref] = []
-    project = llama4.Attention.project
+    refs: dict[str, weakref.ref] = {}
+    layer_cls, attn_cls = llama4.DecoderLayer, llama4.Attention
 
-    def recording(self, *args):
-        q, k, v = project(self, *args)
-        refs.extend(weakref.ref(t) for t in (q, k, v))
-        return q, k, v
+    def record(name, fn):
+        def wrapped(self, *args):
+            out = fn(self, *args)
+            for i, t in enumerate(out if isinstance(out, tuple) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    refs[f"{name}[{i}]"] = weakref.ref(t)
+            return out
+        return wrapped
 
-    alive_at_ff: list[int] = []
+    before = layer_cls.before_attention
+
+    def before_attention(self, h, residual, *args):
+        refs["layer input h"] = weakref.ref(h)
+        if residual is not None:
+            refs["layer input residual"] = weakref.ref(residual)
+        return record("before_attention", before)(self, h, residual, *args)
+
+    monkeypatch.setattr(layer_cls, "before_attention", before_attention)
+    for name in ("project", "attend", "output"):
+        monkeypatch.setattr(attn_cls, name, record(name, getattr(attn_cls, name)))
+    alive_at_ff: list[list[str]] = []
     for layer in llm.model.layers:
         forward = layer.feed_forward.forward
 
         def checked(x, _forward=forward):
-            alive_at_ff.append(sum(r() is not None for r in refs))
+            alive_at_ff.append(sorted(k for k, r in refs.items() if r() is not None))
             refs.clear()
             return _forward(x)
 
         layer.feed_forward.forward = checked
-    monkeypatch.setattr(llama4.Attention, "project", recording)
     llm.generate([[3, 1, 4, 1, 5, 9, 2, 6]], max_new_tokens=3)
-    assert alive_at_ff and alive_at_ff == [0] * len(alive_at_ff)
+    layers = len(llm.model.layers)
+    assert len(alive_at_ff) == 3 * layers  # a prefill and two decodes
+    assert alive_at_ff == [[]] * len(alive_at_ff)
 
 
 def test_moe_intermediates_are_freed_before_the_shared_expert(monkeypatch):

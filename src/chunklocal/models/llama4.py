@@ -266,18 +266,32 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, residual, q_scale, freqs_cis, steps):
-        """``h``: the previous sublayer's output, not yet added to the residual stream
-        (``residual``; None before the first layer, where ``h`` is the embeddings), so each
-        add meets the norm after it in one place (:func:`add_rms_norm`).  Returns this
-        layer's feed-forward output and the residual stream it has not been added to."""
+    def forward(self, state: list, q_scale, freqs_cis, steps) -> None:
+        """``state = [h, residual]``, replaced in place by this layer's.  ``h``: the previous
+        sublayer's output, not yet added to the residual stream (``residual``; None before
+        the first layer, where ``h`` is the embeddings), so each add meets the norm after it
+        in one place (:func:`add_rms_norm`); this layer leaves its feed-forward output and
+        the residual stream it has not been added to.
+
+        Why a list and the ``del``s: the largest step's memory peak is reserved for good
+        (engine/memory.py) and falls in the feed-forward.  Arguments stay referenced by the
+        caller for the whole call, so a layer called as ``layer(h, residual)`` kept its
+        inputs, its queries/keys/values and the attention's output alive through its
+        feed-forward (0.3-0.6 GiB of a full-size Scout 8192-token step,
+        benchmarks/activation_peak.py).  Each stage's inputs are dropped here as soon as
+        the next exists; :meth:`after_attention` is the same tail for piecewise graphs,
+        whose segments read static buffers instead."""
+        h, residual = state
+        state.clear()
         q, k, v, residual = self.before_attention(h, residual, q_scale, freqs_cis)
+        del h
         out = self.self_attn.attend(q, k, v, steps[self.self_attn.kind])
-        # The queries, keys and values are dead: without the del they stay referenced by
-        # this frame through the feed-forward, where the largest step's memory peaks
-        # (0.3 GiB of a full-size Scout 8192-token step; benchmarks/activation_peak.py).
         del q, k, v
-        return self.after_attention(out, residual)
+        h = self.self_attn.output(out, residual.dtype)
+        del out
+        normed, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
+        del h
+        state[:] = self.feed_forward(normed), residual
 
     def before_attention(self, h, residual, q_scale, freqs_cis):
         """The input norm and the attention's projections: ``(q, k, v, residual)``."""
@@ -339,10 +353,10 @@ class Llama4ForCausalLM(nn.Module):
     def forward(self, input_ids, positions, steps: dict[Kind, AttentionStep]):
         """input_ids, positions: [tokens]; returns final-normed hidden states [tokens, H]."""
         freqs_cis, q_scale = self.rope_inputs(positions)
-        h, residual = self.model.embed_tokens(input_ids), None
+        state = [self.model.embed_tokens(input_ids), None]  # [h, residual]: DecoderLayer
         for layer in self.model.layers:
-            h, residual = layer(h, residual, q_scale, freqs_cis, steps)
-        return add_rms_norm(h, residual, self.model.norm)[0]
+            layer(state, q_scale, freqs_cis, steps)
+        return add_rms_norm(*state, self.model.norm)[0]
 
     def rope_inputs(self, positions):
         """The step's rope factors ``freqs_cis [T, head_dim / 2]`` (complex64) and the NoPE
