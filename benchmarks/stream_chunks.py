@@ -2,7 +2,8 @@
 another checkout's, alternated in one run.
 
 Traffic: one greedy choice growing by one short token per snapshot (64 snapshots, no
-logprobs, no usage: the common chunk of a busy server), chat and completion streams.  The
+logprobs), chat and completion streams, without usage (the common chunk of a busy server)
+and with ``continuous_usage_stats`` (a usage in every chunk, as benchmarks/serve.py asks).  The
 figure is microseconds of the event loop's CPU per chunk, the minimum of 3 timings of 50
 streams, each of 5 alternated repeats.
 
@@ -45,10 +46,10 @@ def load_responses(src: Path):
     return module
 
 
-def per_chunk_us(module, chat: bool, snaps, number: int) -> float:
+def per_chunk_us(module, chat: bool, snaps, number: int, continuous: bool = False) -> float:
     def stream():
         state = module.StreamState(chat, "chatcmpl-0123456789abcdef", MODEL, 1, None, None,
-                                   False, False)
+                                   False, continuous)
         for snap in snaps:
             state.update(0, snap)
     return min(timeit.repeat(stream, number=number, repeat=3)) / number / len(snaps) * 1e6
@@ -67,13 +68,14 @@ def main(argv=None) -> int:
     snaps = snapshots(4 if args.smoke else 64)
     number, repeats = (2, 1) if args.smoke else (50, args.repeats or 5)
     rows = []
-    for chat in (True, False):
+    for chat, continuous in ((True, False), (False, False), (True, True), (False, True)):
         times: dict[str, list[float]] = {name: [] for name in trees}
         for _ in range(repeats):
             for name, module in trees.items():
-                times[name].append(per_chunk_us(module, chat, snaps, number))
+                times[name].append(per_chunk_us(module, chat, snaps, number, continuous))
         for name, values in times.items():
-            rows.append({"stream": "chat" if chat else "completion", "tree": name,
+            rows.append({"stream": "chat" if chat else "completion",
+                         "usage": "every chunk" if continuous else "none", "tree": name,
                          "us_per_chunk_min": min(values), "us_per_chunk_max": max(values)})
     print(format_table(rows))
     write_json("stream_chunks_smoke" if args.smoke else "stream_chunks",

@@ -214,8 +214,9 @@ def test_stream_chunks_smoke(tmp_path):
     src = Path(__file__).resolve().parent.parent / "src"
     assert stream_chunks.main(["--smoke", "--before", str(src), "--out", str(tmp_path)]) == 0
     rows = _load(tmp_path / "stream_chunks_smoke.json")["rows"]
-    assert [(r["stream"], r["tree"]) for r in rows] == [
-        (s, t) for s in ("chat", "completion") for t in ("before", "this tree")]
+    assert [(r["stream"], r["usage"], r["tree"]) for r in rows] == [
+        (s, u, t) for u in ("none", "every chunk") for s in ("chat", "completion")
+        for t in ("before", "this tree")]
     assert all(r["us_per_chunk_min"] > 0 for r in rows)
     with pytest.raises(SystemExit, match="no chunklocal/server/responses.py"):
         stream_chunks.main(["--smoke", "--before", str(tmp_path), "--out", str(tmp_path)])

@@ -356,7 +356,8 @@ class Llama4ForCausalLM(nn.Module):
         state = [self.model.embed_tokens(input_ids), None]  # [h, residual]: DecoderLayer
         for layer in self.model.layers:
             layer(state, q_scale, freqs_cis, steps)
-        return add_rms_norm(*state, self.model.norm)[0]
+        h, residual = state
+        return add_rms_norm(h, residual, self.model.norm)[0]
 
     def rope_inputs(self, positions):
         """The step's rope factors ``freqs_cis [T, head_dim / 2]`` (complex64) and the NoPE
