@@ -23,6 +23,14 @@ the server's throughput is compared with.  ``--make-tiny DIR`` writes the tiny C
 checkpoint (random Llama-4 + byte-level BPE tokenizer with a chat template);
 ``--make-scout DIR`` writes benchmarks/engine.py's Scout-shaped random bf16 checkpoint (4
 layers, no tokenizer: texts are empty, tokens are counted) for the GPU.
+
+Every row -- the warm-up, each server level, each offline row -- sends prompts of its own
+(:func:`prompt_set`), so no row prefills from what an earlier row left in the prefix cache
+(on by default, as in vLLM); each server level reports the prompt tokens the cache served
+(``cached_prompt_tokens``, from the usage).  Until 2026-12-04 every row re-sent one set: the
+first server level prefilled most of its prompts and every later row, offline included,
+read them from the cache, which made the first level look slower than offline by a
+prefill per request (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -98,7 +106,7 @@ async def _one(conn, body: dict) -> dict:
     """Send one streaming request on ``conn`` (benchmarks/serve_client.py); return its
     timings, text and token counts."""
     rec = {"ttft": None, "itl": [], "tokens": 0, "text": "", "finish": None, "usage": None,
-           "error": None}
+           "cached": None, "error": None}
     start = last = time.perf_counter()
     try:
         async for chunk in conn.stream_events("/v1/completions", body):
@@ -108,6 +116,8 @@ async def _one(conn, body: dict) -> dict:
             now = time.perf_counter()
             if not chunk["choices"]:  # the include_usage chunk
                 rec["usage"] = chunk["usage"]["completion_tokens"]
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                rec["cached"] = details.get("cached_tokens", 0)
                 continue
             choice = chunk["choices"][0]
             new = chunk["usage"]["completion_tokens"] - rec["tokens"]
@@ -196,7 +206,17 @@ def summarize(clients, records, wall, max_tokens) -> dict:
             "output_tokens_per_s": len(done) * max_tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
             "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
-            "e2e_p50_s": percentile([r["e2e"] for r in done], 50)}
+            "e2e_p50_s": percentile([r["e2e"] for r in done], 50),
+            "cached_prompt_tokens": sum(r.get("cached") or 0 for r in done)}
+
+
+def prompt_set(args, tag: str, count: int) -> list[list[int]]:
+    """``count`` random token-id prompts of ``--prompt-tokens`` for the row named ``tag``:
+    the same for the same seed and tag, and (ids drawn from ``--max-token-id + 1`` values)
+    with no first block in common with another tag's, so nothing is a prefix-cache hit."""
+    rng = random.Random(f"{args.seed}/{tag}")
+    return [[rng.randint(0, args.max_token_id) for _ in range(args.prompt_tokens)]
+            for _ in range(count)]
 
 
 def closed_loop(llm, prompts, params, clients: int) -> dict:
@@ -239,7 +259,7 @@ def offline_row(label: str, requests: int, done: int, wall: float, max_tokens: i
             "output_tokens_per_s": done * max_tokens / wall}
 
 
-def offline_floor(args, prompts) -> list[dict]:
+def offline_floor(args) -> list[dict]:
     """The same requests through ``LLM.generate`` in this process on the engine the server
     had (its flags parsed by the serve CLI): all at once, then per client level in waves of
     that many requests (:func:`waves`: offline at the level's concurrency, the floor the
@@ -256,13 +276,17 @@ def offline_floor(args, prompts) -> list[dict]:
     served = parser.parse_args([str(args.launch), *shlex.split(args.serve_args)])
     llm = LLM(args.launch, **serve_cli.llm_kwargs(served))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    # Warm-up: the same requests once. Two prompts left first-use costs (kernels compiled
-    # for new row counts) in the timed call on the H200, where the server had been warmed
-    # by its earlier client levels: offline measured below the server (2026-12-02).
-    llm.generate(prompts, params, use_tqdm=False)
-    rows = [waves(llm, prompts, params, len(prompts), label="offline LLM.generate")]
+    # Warm-up: as many requests of the same shape (prompts of their own). Two prompts left
+    # first-use costs (kernels compiled for new row counts) in the timed call on the H200,
+    # where the server had been warmed by its earlier client levels (2026-12-02).
+    n = args.requests
+    llm.generate(prompt_set(args, "offline warm-up", n), params, use_tqdm=False)
+    rows = [waves(llm, prompt_set(args, "offline all", n), params, n,
+                  label="offline LLM.generate")]
     for clients in args.clients:
-        rows += [waves(llm, prompts, params, clients), closed_loop(llm, prompts, params, clients)]
+        rows += [waves(llm, prompt_set(args, f"waves {clients}", n), params, clients),
+                 closed_loop(llm, prompt_set(args, f"closed loop {clients}", n), params,
+                             clients)]
     llm.core.shutdown()
     return rows
 
@@ -316,7 +340,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
-        args.clients, args.requests, args.prompt_tokens, args.max_tokens = [1, 4], 8, 16, 8
+        # prompts of 2 cacheable blocks (16 tokens each): a prefix-cache hit would show
+        args.clients, args.requests, args.prompt_tokens, args.max_tokens = [1, 4], 8, 40, 8
     if args.make_tiny is not None:
         make_tiny(args.make_tiny)
     if args.make_scout is not None:
@@ -345,17 +370,15 @@ def _run(args, headers, proc) -> int:
     wait_healthy(args.url, proc)
     model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers).json()[
         "data"][0]["id"]
-    rng = random.Random(args.seed)
     n = args.requests
-    prompts = [[rng.randint(0, args.max_token_id) for _ in range(args.prompt_tokens)]
-               for _ in range(n)]
     rows, problems, cpu = [], [], {}
     if args.warmup_requests > 0:
-        records, _ = asyncio.run(run_level(args.url, model, headers,
-                                           prompts[:args.warmup_requests], args.clients[0],
-                                           args.max_tokens, args.duration, args.timeout))
+        records, _ = asyncio.run(run_level(
+            args.url, model, headers, prompt_set(args, "warm-up", args.warmup_requests),
+            args.clients[0], args.max_tokens, args.duration, args.timeout))
         problems += _problems("warm-up", records, args.max_tokens)
     for clients in args.clients:
+        prompts = prompt_set(args, f"server {clients}", n)
         before = proc_cpu.sample(proc.pid) if proc is not None else {}
         records, wall = asyncio.run(run_level(args.url, model, headers, prompts, clients,
                                               args.max_tokens, args.duration, args.timeout))
@@ -371,7 +394,7 @@ def _run(args, headers, proc) -> int:
         if proc is None:
             raise SystemExit("--offline-floor needs --launch (it builds the same engine)")
         print(f"server stopped with status {stop_server(proc)}; offline floor", flush=True)
-        rows += offline_floor(args, prompts)
+        rows += offline_floor(args)
     print(format_table(rows))
     for line in problems[:20]:
         print("FAILED", line)

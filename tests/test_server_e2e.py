@@ -394,6 +394,9 @@ def test_load_test_script_against_the_server(server, tmp_path):
     assert data["errors"] == []
     assert [(r["clients"], r["completed"], r["failed"]) for r in data["rows"]] == [(1, 8, 0),
                                                                                   (4, 8, 0)]
+    # Smoke prompts (40 tokens) have 2 cacheable blocks: each level's prompts are its own, so
+    # the prefix cache served none of them (one shared set made level 2 all hits).
+    assert [r["cached_prompt_tokens"] for r in data["rows"]] == [0, 0]
     after = server.metrics()
     assert after["vllm:generation_tokens_total"] - before[
         "vllm:generation_tokens_total"] >= (3 + 2 * 8) * 8  # the warm-up's 3 untimed
