@@ -18,6 +18,13 @@ touches, the KV) at the copy rate measured at the start of the same run, and ``s
 floor / decode time.
 
     python -m benchmarks.overlap_decode --batches 1 64 --out $OUT
+    python -m benchmarks.overlap_decode --batches 1 --profile --out $OUT   # + device idle
+
+``--profile`` adds, per mode, one more ``--new``-token generate under torch.profiler: device
+busy and idle ms per decode step (idle: gaps between kernels inside the span) and the kernel
+classes per step.  At batch 1 async scheduling hid 1.6 of the 3.2 ms the synchronous loop
+spends outside the graph replay (2026-12-02); the idle figure says whether the rest is the
+device waiting for the host.
     python -m benchmarks.overlap_decode --smoke        # CPU: checks the logic
 """
 
@@ -78,11 +85,27 @@ def batch_rows(llm, batch: int, args, device, rates) -> list[dict]:
     if args.routing == "model" and outputs[False] != outputs[True]:
         raise AssertionError(f"batch {batch}: async_scheduling changed the outputs")
     floor = floor_ms(llm, batch, args, rates)
-    return [{"model": args.model, "batch": batch, "context": args.context,
+    rows = [{"model": args.model, "batch": batch, "context": args.context,
              "async_scheduling": overlap, "decode_ms": statistics.median(ms),
              "min_ms": min(ms), "max_ms": max(ms), "floor_ms": floor,
              "share": None if floor is None else floor / statistics.median(ms)}
             for overlap, ms in per_mode.items()]
+    if args.profile:
+        for row in rows:
+            llm.async_scheduling = row["async_scheduling"]
+            row["profile"] = per_decode_step(floors.kernel_profile(
+                lambda: timed_generate(llm, prompts, args.new, device), 1, device), args.new)
+        llm.async_scheduling = False
+    return rows
+
+
+def per_decode_step(profile: dict, new: int) -> dict:
+    """A profile of one ``new``-token generate, its per-call figures per decode step (the
+    cached prompt's one-token prefill is counted in, a step among ``new``)."""
+    out = {key: value / new for key, value in profile.items() if isinstance(value, float)}
+    out["classes_per_step"] = {cls: {k: v / new for k, v in row.items()}
+                               for cls, row in profile.get("classes_per_step", {}).items()}
+    return out
 
 
 def main(argv=None) -> int:
@@ -95,6 +118,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--profile", action="store_true",
+                        help="device busy / idle ms per step and kernel classes, per mode")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="LLM's (vLLM's default 0.9); the largest batch needs more")
     parser.add_argument("--routing", choices=("balanced", "model"), default="balanced",

@@ -542,6 +542,22 @@ def test_overlap_decode_smoke_checks_equal_outputs(tmp_path, monkeypatch):
         json.loads((tmp_path / "overlap_decode_smoke.json").read_text())["errors"])
 
 
+def test_overlap_decode_profile_is_per_decode_step(tmp_path):
+    """--profile: each mode's row carries a profile whose figures are per decode step: the
+    one profiled generate's, divided by --new."""
+    from benchmarks import overlap_decode
+
+    profile = {"device_busy_ms_per_step": 50.0, "device_idle_ms_per_step": 10.0,
+               "kernels_ms_per_step": {"k": 1.0},
+               "classes_per_step": {"expert GEMMs": {"ms": 20.0, "launches": 5.0}}}
+    got = overlap_decode.per_decode_step(profile, 5)
+    assert got == {"device_busy_ms_per_step": 10.0, "device_idle_ms_per_step": 2.0,
+                   "classes_per_step": {"expert GEMMs": {"ms": 4.0, "launches": 1.0}}}
+    assert overlap_decode.main(["--smoke", "--profile", "--out", str(tmp_path)]) == 0
+    rows = _load(tmp_path / "overlap_decode_smoke.json")["rows"]
+    assert all("classes_per_step" in r["profile"] for r in rows)
+
+
 def test_overlap_decode_floor_counts_the_experts_balanced_routing_touches(tmp_path):
     """overlap_decode.floor_ms: the bytes of every weight but the routed experts, plus
     min(E, batch * top_k) experts per MoE layer, plus the KV, at the given copy rate; none
