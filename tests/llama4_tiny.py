@@ -13,6 +13,12 @@ import time
 
 import torch
 
+#: write_tiny_llama4's arguments for the FP8 KV cache tests' model: dense (no MoE layer:
+#: top-1 routing turns small KV errors into expert flips, which would measure the router,
+#: not the cache), chunk 16, small weights.
+DENSE_FP8_KV = dict(seed=4, attention_chunk_size=16, initializer_range=0.02,
+                    interleave_moe_layer_step=8)
+
 
 def tiny_config(**overrides):
     from transformers import Llama4TextConfig

@@ -16,7 +16,7 @@ import flashinfer_standin
 import numpy as np
 import pytest
 import torch
-from llama4_tiny import prompts_of, write_tiny_llama4
+from llama4_tiny import DENSE_FP8_KV, prompts_of, write_tiny_llama4
 from test_engine_flashinfer_cpu import StandinLLM, motif_prompts
 
 import chunklocal
@@ -36,8 +36,7 @@ def ckpt(tmp_path_factory):
     """A dense tiny Llama-4 (no MoE layer: top-1 routing turns small KV errors into
     expert flips, which would measure the router, not the cache)."""
     path = tmp_path_factory.mktemp("llama4_fp8kv")
-    write_tiny_llama4(path, seed=4, attention_chunk_size=16, initializer_range=0.02,
-                      interleave_moe_layer_step=8)
+    write_tiny_llama4(path, **DENSE_FP8_KV)
     return path
 
 

@@ -8,8 +8,9 @@ import textwrap
 
 import pytest
 import torch
-from llama4_tiny import write_tiny_llama4
+from llama4_tiny import DENSE_FP8_KV, write_tiny_llama4
 from test_engine_flashinfer_cpu import motif_prompts
+from test_kv_cache_fp8 import _set_scales
 from test_moe_triton import run_in_interpreter
 
 import chunklocal
@@ -64,8 +65,7 @@ def test_reciprocal_is_float32():
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama4_kv_write")
-    write_tiny_llama4(path, seed=4, attention_chunk_size=16, initializer_range=0.02,
-                      interleave_moe_layer_step=8)
+    write_tiny_llama4(path, **DENSE_FP8_KV)
     return path
 
 
@@ -79,8 +79,7 @@ def test_attention_calls_the_kernel_with_each_cache_and_scale(ckpt, monkeypatch)
     prompts = motif_prompts(3)
 
     def with_scales(llm):
-        for layer in llm.model.layers:  # non-unit and unequal: a swap would show
-            layer.self_attn.k_scale, layer.self_attn.v_scale = 0.5, 0.125
+        _set_scales(llm, 0.5, 0.125)  # non-unit and unequal: a swap would show
         return llm
 
     want = with_scales(chunklocal.LLM(ckpt, **kw)).generate(prompts, max_new_tokens=12)

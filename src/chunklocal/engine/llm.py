@@ -215,6 +215,7 @@ class LLM(OwnsWorkers):
             dict(zip(self.group_names, (g.pages for g in pools.groups), strict=True)),
             pools.requests_fit(), self.max_model_len, self.memory_budget, cfg.num_kv_blocks))
         self._tokenizer = None
+        self._tokenizer_error: ValueError | None = None  # no tokenizer there (looked once)
         self._core = None
         self._core_lock = threading.Lock()
         self._local = threading.local()
@@ -281,13 +282,13 @@ class LLM(OwnsWorkers):
         """The tokenizer (transformers' AutoTokenizer) of ``tokenizer``, else the model's.
         Loaded once: a directory without one raises the same ValueError on every access
         without looking again (the engine's per-request path asks; each look was ~50 us)."""
-        if self._tokenizer is None:
+        if self._tokenizer is None and self._tokenizer_error is None:
             try:
                 self._tokenizer = load_tokenizer(self.engine_config.tokenizer or self.model_dir)
             except ValueError as err:
-                self._tokenizer = err
-        if isinstance(self._tokenizer, ValueError):
-            raise ValueError(str(self._tokenizer)) from self._tokenizer
+                self._tokenizer_error = err
+        if self._tokenizer_error is not None:
+            raise ValueError(str(self._tokenizer_error)) from self._tokenizer_error
         return self._tokenizer
 
     def _check_prompts(self, prompts, max_new_tokens, room_for_new_tokens=True):
