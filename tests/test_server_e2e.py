@@ -427,6 +427,8 @@ def test_closed_loop_floor_completes_every_request_with_the_offline_tokens(llm):
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert seen == {tuple(p): w for p, w in zip(prompts, want, strict=True)}
     assert row["output_tokens_per_s"] == 9 * 7 / row["wall_s"]
+    assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] < 1e3 * row["wall_s"]
+    assert 0 < row["tpot_p50_ms"] < 1e3 * row["wall_s"]
 
 
 def test_offline_waves_run_the_level_s_concurrency(llm):
