@@ -91,6 +91,8 @@ def dense_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
             if triton_ok:
                 paths["quant"] = with_quant_kernel(paths["torch"])
                 paths["triton"] = lambda x=x, w=w, s=s: moe_triton.fp8_linear_small(x, w[0], s[0])
+                paths["reduce"] = lambda x=x, w=w, s=s: moe_triton.fp8_grouped_mm_small(
+                    x, w[:1], s[:1], None, reduce_in_kernel=True)
             rows.append(cell(f"dense {name}", m, n * k + m * k * 2 + m * n * 2, paths,
                              device, copy_rate))
 
@@ -110,6 +112,8 @@ def grouped_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
                 paths["quant"] = with_quant_kernel(paths["torch"])
                 paths["triton"] = lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
                     x, w, s, o)
+                paths["reduce"] = lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
+                    x, w, s, o, reduce_in_kernel=True)
             touched = int((counts > 0).sum())
             rows.append(cell(f"experts {name}", m, touched * n * k + m * (k + n) * 2, paths,
                              device, copy_rate) | {"experts_touched": touched})
@@ -135,7 +139,7 @@ def cell(name, m, nbytes, paths, device, copy_rate) -> dict:
             us = float("nan")
         row[f"{label}_us"] = us
         row[f"{label}_share"] = row["floor_us"] / us
-    for label in ("triton", "quant"):
+    for label in ("triton", "quant", "reduce"):
         if f"{label}_us" in row:
             row[f"torch_over_{label}"] = row["torch_us"] / row[f"{label}_us"]
     print(format_table([row]), flush=True)
@@ -176,22 +180,27 @@ def sweep_rows(rows, device, copy_rate, ms, smoke, save) -> None:
 
 
 #: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel, the
-#: elementwise-tail kernels of models/norm_triton.py).
+#: elementwise-tail kernels of models/norm_triton.py, the FP8 kernel adding its K-slices
+#: itself: moe_triton.SPLITK_REDUCE_IN_KERNEL).
 ENGINE_PATHS = {"unfused": (False, False, False, False), "torch": (True, False, False, False),
                 "quant": (True, False, True, False), "triton": (True, True, False, False),
-                "defaults": (True, True, True, False), "tail": (True, True, True, True)}
+                "defaults": (True, True, True, False), "tail": (True, True, True, True),
+                "reduce": (True, True, True, True, True)}
 
 
 @contextlib.contextmanager
-def switches(fuse: bool, gemm: bool, quant_kernel: bool, tail: bool = False):
+def switches(fuse: bool, gemm: bool, quant_kernel: bool, tail: bool = False,
+             reduce: bool = False):
     """The module switches of one variant, restored afterwards (read when an engine loads
     and when a kernel runs, so a CUDA graph captures what they say)."""
     from chunklocal.models import fused, moe_triton, norm_triton, quant_triton
 
     names = ((fused, "FUSE_PROJECTIONS"), (moe_triton, "FP8_ENABLED"),
-             (quant_triton, "QUANT_ENABLED"), (norm_triton, "NORM_ENABLED"))
+             (quant_triton, "QUANT_ENABLED"), (norm_triton, "NORM_ENABLED"),
+             (moe_triton, "SPLITK_REDUCE_IN_KERNEL"))
     saved = [getattr(module, name) for module, name in names]
-    for (module, name), value in zip(names, (fuse, gemm, quant_kernel, tail), strict=True):
+    for (module, name), value in zip(names, (fuse, gemm, quant_kernel, tail, reduce),
+                                     strict=True):
         setattr(module, name, value)
     try:
         yield

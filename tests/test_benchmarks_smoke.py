@@ -199,7 +199,7 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
                          cwd=Path(__file__).resolve().parent.parent)
     assert run.returncode == 0, run.stderr[-3000:]
     data = _load(tmp_path / "fp8_small_m_smoke.json")
-    assert {"torch_us", "quant_us", "triton_us"} <= set(data["kernels"][0])
+    assert {"torch_us", "quant_us", "triton_us", "reduce_us"} <= set(data["kernels"][0])
     sweep = data["sweep"]
     assert [(r["gemm"], r["rows"]) for r in sweep] == [
         (g, 2) for g in ("dense gate_up", "dense down", "experts w13", "experts w2")]
@@ -228,12 +228,12 @@ def test_fp8_small_m_engine_variants_set_and_restore_their_switches():
 
     def now():
         return (fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED,
-                norm_triton.NORM_ENABLED)
+                norm_triton.NORM_ENABLED, moe_triton.SPLITK_REDUCE_IN_KERNEL)
 
     before = now()
     for want in fp8_small_m.ENGINE_PATHS.values():
         with fp8_small_m.switches(*want):
-            assert now() == want
+            assert now() == want + (False,) * (5 - len(want))
         assert now() == before
 
 

@@ -61,7 +61,7 @@ def run_in_interpreter(script: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(tests), *sys.path]))
     for switch in ("CHUNKLOCAL_FP8_TRITON", "CHUNKLOCAL_FP8_QUANT_TRITON",
-                   "CHUNKLOCAL_NORM_TRITON"):
+                   "CHUNKLOCAL_NORM_TRITON", "CHUNKLOCAL_FP8_SPLITK_REDUCE"):
         env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
@@ -140,6 +140,52 @@ def test_fp8_triton_kernel_in_interpreter():
     """The FP8 kernel with its fused quantization: groups with empty experts, an all-zero
     row, fbgemm's amax cap, the one-group (dense) form, and both dispatch points."""
     run_in_interpreter(FP8_SCRIPT)
+
+
+REDUCE_SCRIPT = textwrap.dedent("""
+    import torch
+    from chunklocal.models import moe_triton
+    from chunklocal.models.quant import FP8
+
+    assert not moe_triton.SPLITK_REDUCE_IN_KERNEL  # off by default (=1 turns it on)
+    gen = torch.Generator().manual_seed(2)
+    e, n, k = 4, 40, 96  # N not a multiple of the 16-wide tiles: the last tile is masked
+    w = (torch.randn(e, n, k, generator=gen) * 0.5).to(FP8)
+    w_scale = torch.rand(e, n, generator=gen) + 0.5
+    m = 37  # expert 2: rows 5-36, two row tiles; expert 1 empty (its programs still count)
+    x = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(FP8).float()
+    x[:, 0] = 448.0  # exactly quantizable rows (see FP8_SCRIPT)
+    ends = torch.tensor([5, 5, 37, 37], dtype=torch.int32)
+    for split_k in (1, 2, 3):
+        kw = dict(block_n=16, block_k=32, split_k=split_k)
+        want = moe_triton.fp8_grouped_mm_small(x, w, w_scale, ends, reduce_in_kernel=False,
+                                               **kw)
+        for _ in range(2):  # the counters are left zeroed: a second call reduces again
+            got = moe_triton.fp8_grouped_mm_small(x, w, w_scale, ends, reduce_in_kernel=True,
+                                                  **kw)
+            # the same partials added in slice order: torch's sum over the slices' dim
+            assert torch.equal(got, want), (split_k, (got - want).abs().max())
+            assert not moe_triton._TILE_COUNTERS[x.device].any()
+    dense = moe_triton.fp8_grouped_mm_small(x[:9], w[:1], w_scale[:1], None, split_k=3,
+                                            block_n=16, block_k=32, reduce_in_kernel=True)
+    assert torch.equal(dense, moe_triton.fp8_grouped_mm_small(
+        x[:9], w[:1], w_scale[:1], None, split_k=3, block_n=16, block_k=32,
+        reduce_in_kernel=False))
+    try:
+        moe_triton.tile_counters(x.device, moe_triton.MAX_TILE_COUNTERS + 1)
+    except ValueError as err:
+        assert "MAX_TILE_COUNTERS" in str(err)
+    else:
+        raise AssertionError("no refusal past MAX_TILE_COUNTERS")
+    print("ok")
+""")
+
+
+def test_fp8_kernel_adds_its_k_slices_itself():
+    """SPLITK_REDUCE_IN_KERNEL: the last program of each tile sums the slices and writes
+    the output; the same values as the separate sum, every split, empty experts, masked
+    tiles, the dense form, and the counters zeroed for the next call."""
+    run_in_interpreter(REDUCE_SCRIPT)
 
 
 QUANT_SCRIPT = textwrap.dedent("""

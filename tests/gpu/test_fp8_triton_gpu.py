@@ -83,3 +83,35 @@ def test_dispatch_takes_the_kernel_up_to_its_row_limits(monkeypatch):
     # fp8_linear_small is the grouped kernel's one-group case: it calls through
     # fp8_grouped_mm_small, so the dense call records both names, the expert call one.
     assert calls == ["fp8_linear_small", "fp8_grouped_mm_small", "fp8_grouped_mm_small"]
+
+
+@pytest.mark.parametrize("sizes", [[1, 0, 0, 0], [16, 32, 0, 48], [1, 0, 5, 3, 0, 7, 2, 1],
+                                   [4] * 16], ids=["one-row", "aligned", "ragged", "spread"])
+@pytest.mark.parametrize("split_k", [None, 1, 3], ids=["split-auto", "split-1", "split-3"])
+def test_kernel_adding_its_k_slices_equals_the_separate_sum(sizes, split_k):
+    """SPLITK_REDUCE_IN_KERNEL (off by default): the last program of each tile adds the
+    slices (acquire-release ticket, L2 loads) -- within bf16 rounding of the separate sum
+    (the order of float32 adds may differ from torch's), under the reference's error bound,
+    the same bits on every call, and the counters left zeroed."""
+    e, n, k = len(sizes), 320, 8192
+    w, scale = fp8_weights(e, n, k, seed=e + 7)
+    m = sum(sizes)
+    x = bf16_rows(m, k, seed=3)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    args = (x.cuda(), w.cuda(), scale.cuda(), offs.cuda())
+    separate = moe_triton.fp8_grouped_mm_small(*args, split_k=split_k, reduce_in_kernel=False)
+    fused = [moe_triton.fp8_grouped_mm_small(*args, split_k=split_k, reduce_in_kernel=True)
+             for _ in range(3)]
+    assert all(torch.equal(f, fused[0]) for f in fused[1:])
+    assert not moe_triton._TILE_COUNTERS[torch.device("cuda", 0)].any()
+    diff = (fused[0].float() - separate.float()).abs()
+    assert float(diff.max()) <= float(separate.float().abs().max()) * 2.0 ** -7
+    want = fp8_grouped_mm(x.float(), w, scale, offs)
+    rows_of = torch.repeat_interleave(torch.arange(e), torch.tensor(sizes))
+    assert error_ratio(fused[0], x, w, scale, want, rows_of) <= 1.0
+
+
+@torch.inference_mode()
+def test_kernel_adding_its_k_slices_replays_in_a_cuda_graph():
+    check_replays_with_new_routing(lambda *a: moe_triton.fp8_grouped_mm_small(
+        *a, reduce_in_kernel=True))

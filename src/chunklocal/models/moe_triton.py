@@ -84,9 +84,10 @@ if triton is not None:
     # num_rows (the batch) varies per call: no recompiles for it (a 1 or a multiple of 16
     # would otherwise each get a kernel of its own, at graph capture too)
     @triton.jit(do_not_specialize=["num_rows"])
-    def _fp8_splitk_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, part_ptr, offs_ptr, N, K, k_split,
-                           stride_xm, stride_we, stride_wn, stride_se, stride_ps, stride_pm,
-                           num_rows, HAS_OFFS: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _fp8_splitk_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, part_ptr, offs_ptr, out_ptr,
+                           count_ptr, N, K, k_split, stride_xm, stride_we, stride_wn,
+                           stride_se, stride_ps, stride_pm, stride_om, num_rows,
+                           HAS_OFFS: tl.constexpr, REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
@@ -121,6 +122,22 @@ if triton is not None:
             out = part_ptr + split * stride_ps + rows[:, None].to(tl.int64) * stride_pm \
                 + cols[None, :]
             tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+        if REDUCE:  # the last of this tile's K-slices to finish adds them, in slice order
+            tl.debug_barrier()  # every thread's partial stored before the ticket (release)
+            slot = count_ptr + expert * tl.num_programs(0) + pid_n
+            ticket = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
+            if ticket == tl.num_programs(1) - 1:
+                for m0 in range(start, end, BLOCK_M):
+                    rows = m0 + tl.arange(0, BLOCK_M)
+                    ok = (rows < end)[:, None] & col_ok[None, :]
+                    src = part_ptr + rows[:, None].to(tl.int64) * stride_pm + cols[None, :]
+                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s in range(0, tl.num_programs(1)):  # L2 (.cg): other SMs' stores
+                        total += tl.load(src + s * stride_ps, mask=ok, other=0.0,
+                                         cache_modifier=".cg")
+                    dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+                    tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=ok)
+                tl.store(slot, 0)  # ready for the next call on this stream
 
 
 #: Programs per SM that split-K aims for: each streams its own slab, so a step of one row
@@ -150,10 +167,37 @@ def split_k_for(num_rows: int, num_experts: int, n_dim: int, k_dim: int, block_n
     return max(1, min(cdiv(PROGRAMS_PER_SM * sm_count, tiles), cdiv(k_dim, block_k)))
 
 
+#: Whether :func:`fp8_grouped_mm_small`'s kernel adds its K-slices itself: the last program
+#: of each (expert, N-tile) to finish -- a ticket on a per-tile counter, after a barrier and
+#: an acquire-release atomic -- sums the slices' float32 partials in slice order (so the
+#: result is deterministic) and stores the output in x's dtype.  It saves the two launches
+#: after every call (the sum over slices and the cast), 384 of a batch-1 Scout FP8 step's,
+#: about 0.6-0.8 ms of its 12.3 (BENCHMARKS.md, twelfth session).  The counters are one
+#: persistent zeroed buffer per device that each call leaves zeroed: calls on one stream at
+#: a time.  Off until an H200 run measures it (``CHUNKLOCAL_FP8_SPLITK_REDUCE=1``).
+SPLITK_REDUCE_IN_KERNEL = __import__("os").environ.get("CHUNKLOCAL_FP8_SPLITK_REDUCE",
+                                                       "0") == "1"
+MAX_TILE_COUNTERS = 1 << 16  # (expert, N-tile) pairs of one call: Scout's largest is 17 x 256
+_TILE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's zeroed int32 ticket counters (made once, at the first call)."""
+    if needed > MAX_TILE_COUNTERS:
+        raise ValueError(f"fp8_grouped_mm_small: {needed} (expert, N-tile) pairs, more than "
+                         f"MAX_TILE_COUNTERS={MAX_TILE_COUNTERS}")
+    counters = _TILE_COUNTERS.get(device)
+    if counters is None:
+        counters = _TILE_COUNTERS[device] = torch.zeros(MAX_TILE_COUNTERS, dtype=torch.int32,
+                                                        device=device)
+    return counters
+
+
 def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          offs: torch.Tensor | None, scale_ub: float | None = None, *,
                          block_n: int = 64, block_k: int = 256, split_k: int | None = None,
-                         num_warps: int = 4) -> torch.Tensor:
+                         num_warps: int = 4, reduce_in_kernel: bool | None = None
+                         ) -> torch.Tensor:
     """What :func:`chunklocal.models.quant.fp8_grouped_mm` computes (per-token dynamic
     activation scales, capped at ``scale_ub``): ``x [M, K]`` bf16 rows sorted by expert,
     ``w [E, N, K]`` float8_e4m3fn, ``w_scale [E, N]`` float32, ``offs`` int32 [E] group ends
@@ -163,8 +207,10 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     Two steps: the rows are quantized once (:func:`quant_triton.quantize_rows`, torch's
     bits), then a split-K grouped GEMM (grid ``N-tiles x K-slices x E``; an expert with no
     rows returns at once, so unrouted experts are never read) writes float32 partial
-    products, scaled, that one sum over the slices adds up.  Tiles of ``FP8_BLOCK_M`` rows
-    (mma.sync: float32 partial sums); ``split_k`` None: :func:`split_k_for`."""
+    products, scaled, that one sum over the slices adds up (or the kernel's last program of
+    each tile, :data:`SPLITK_REDUCE_IN_KERNEL`; ``reduce_in_kernel`` overrides it).  Tiles of
+    ``FP8_BLOCK_M`` rows (mma.sync: float32 partial sums); ``split_k`` None:
+    :func:`split_k_for`."""
     if triton is None:
         raise RuntimeError("fp8_grouped_mm_small needs Triton")
     num_rows, k_dim = x.shape
@@ -181,11 +227,17 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     xq, x_scale = quantize_rows(x, scale_ub)
     part = torch.empty(split_k, num_rows, n_dim, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n_dim, block_n), split_k, num_experts)
+    reduce = SPLITK_REDUCE_IN_KERNEL if reduce_in_kernel is None else reduce_in_kernel
+    out = torch.empty(num_rows, n_dim, dtype=x.dtype, device=x.device) if reduce else part
+    counters = tile_counters(x.device, grid[0] * num_experts) if reduce else part
     _fp8_splitk_kernel[grid](
-        xq, x_scale, w, w_scale, part, x if offs is None else offs, n_dim, k_dim, k_split,
-        xq.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), part.stride(0),
-        part.stride(1), num_rows, HAS_OFFS=offs is not None, BLOCK_M=FP8_BLOCK_M,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=4)
+        xq, x_scale, w, w_scale, part, x if offs is None else offs, out, counters, n_dim,
+        k_dim, k_split, xq.stride(0), w.stride(0), w.stride(1), w_scale.stride(0),
+        part.stride(0), part.stride(1), out.stride(0), num_rows, HAS_OFFS=offs is not None,
+        REDUCE=reduce, BLOCK_M=FP8_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=4)
+    if reduce:
+        return out
     out = part[0] if split_k == 1 else part.sum(0)
     return out.to(x.dtype)
 
