@@ -692,15 +692,16 @@ def test_decode_floor_sizes_the_pool_from_memory_when_the_whole_batch_does_not_f
     path = decode_floor.write_config(tmp_path / "m", "smoke")
     real, asked = decode_floor.make_llm, []
 
-    def make_llm(path, device, seqs, max_len, pages):
-        asked.append(pages)
+    def make_llm(path, device, seqs, max_len, pages, kv_cache_dtype="auto"):
+        asked.append((pages, kv_cache_dtype))
         if pages is not None:
             raise ValueError("does not fit")
-        return real(path, device, seqs, max_len, pages)
+        return real(path, device, seqs, max_len, pages, kv_cache_dtype)
 
     monkeypatch.setattr(decode_floor, "make_llm", make_llm)
     llm = decode_floor.make_llm_with_kv(path, torch.device("cpu"), 4, 100)
-    assert asked == [4 * 7, None]  # the whole batch (4 x ceil(100 / 16) pages), then default
+    # the whole batch (4 x ceil(100 / 16) pages), then the default; the KV dtype passed on
+    assert asked == [(4 * 7, "auto"), (None, "auto")]
     # K and V, 16 tokens a page, float32, 3 chunked + 1 global layer, one scratch page each
     page = 2 * 16 * SMOKE["num_key_value_heads"] * SMOKE["head_dim"] * 4
     layers = {"chunked": 3, "global": 1}
