@@ -1,7 +1,8 @@
 """A strict CPU stand-in for FlashInfer 0.7.2.post1, for tests (no GPU, no flashinfer).
 
 ``install(monkeypatch)`` puts a fake ``flashinfer`` package (a plain module object, so a
-missing attribute raises AttributeError) and ``flashinfer.sampling`` in ``sys.modules``.
+missing attribute raises AttributeError), ``flashinfer.sampling`` and
+``flashinfer.activation`` in ``sys.modules``.
 ``installed()`` does the same without pytest, as a context manager.
 
 The wrappers have 0.7.2.post1's exact ``__init__`` / ``plan`` / ``run`` parameter lists
@@ -19,6 +20,7 @@ import sys
 import types
 
 import flashinfer_standin_sampling as standin_sampling
+import torch
 from flashinfer_standin_wrappers import (
     BatchDecodeWithPagedKVCacheWrapper,
     BatchPrefillWithPagedKVCacheWrapper,
@@ -29,11 +31,38 @@ __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWr
            "build_module", "install", "installed"]
 
 
+def silu_and_mul(input: torch.Tensor, out: torch.Tensor = None, enable_pdl=None
+                 ) -> torch.Tensor:
+    """0.7.2.post1's ``flashinfer.activation.silu_and_mul``: ``silu(x[..., :d]) *
+    x[..., d:]`` in float32, rounded once.  Its checks (an even last dim; ``out``'s shape),
+    and one it does not make: its kernel walks ``numel / last dim`` rows of ``2 d``
+    elements from the data pointer, so a strided input would be read wrong in silence;
+    here it raises."""
+    if input.shape[-1] % 2 != 0:
+        raise ValueError("The last dimension must be even (2 * hidden_size).")
+    if not input.is_contiguous():
+        raise ValueError("stand-in: the kernel reads rows of 2 * hidden_size contiguous "
+                         "elements; this input is strided")
+    d = input.shape[-1] // 2
+    if out is not None:
+        assert input.ndim == out.ndim and input.shape[:-1] == out.shape[:-1] \
+            and input.shape[-1] == 2 * out.shape[-1]
+    else:
+        out = torch.empty(input.shape[:-1] + (d,), device=input.device, dtype=input.dtype)
+    x = input.float()
+    out.copy_(x[..., :d] / (1.0 + torch.exp(-x[..., :d])) * x[..., d:])
+    return out
+
+
 def build_module() -> types.ModuleType:
-    """A fresh fake ``flashinfer`` package with its ``sampling`` submodule."""
+    """A fresh fake ``flashinfer`` package with its ``sampling`` and ``activation``
+    submodules."""
     sampling = types.ModuleType("flashinfer.sampling", "FlashInfer 0.7.2.post1 stand-in")
     sampling.__spec__ = importlib.machinery.ModuleSpec("flashinfer.sampling", None)
     sampling.top_k_top_p_sampling_from_logits = standin_sampling.top_k_top_p_sampling_from_logits
+    activation = types.ModuleType("flashinfer.activation", "FlashInfer 0.7.2.post1 stand-in")
+    activation.__spec__ = importlib.machinery.ModuleSpec("flashinfer.activation", None)
+    activation.silu_and_mul = silu_and_mul
     package = types.ModuleType("flashinfer", __doc__)
     package.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None, is_package=True)
     package.__path__ = []
@@ -41,6 +70,7 @@ def build_module() -> types.ModuleType:
     package.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
     package.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
     package.sampling = sampling
+    package.activation = activation
     return package
 
 
@@ -49,16 +79,18 @@ def install(monkeypatch) -> types.ModuleType:
     module = build_module()
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setitem(sys.modules, "flashinfer.sampling", module.sampling)
+    monkeypatch.setitem(sys.modules, "flashinfer.activation", module.activation)
     return module
 
 
 @contextlib.contextmanager
 def installed():
     """``install`` without pytest: ``with installed() as flashinfer: ...``."""
-    names = ("flashinfer", "flashinfer.sampling")
+    names = ("flashinfer", "flashinfer.sampling", "flashinfer.activation")
     saved = {name: sys.modules.get(name) for name in names}
     module = build_module()
-    sys.modules.update({"flashinfer": module, "flashinfer.sampling": module.sampling})
+    sys.modules.update({"flashinfer": module, "flashinfer.sampling": module.sampling,
+                        "flashinfer.activation": module.activation})
     try:
         yield module
     finally:

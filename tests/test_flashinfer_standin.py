@@ -29,6 +29,7 @@ EXPECTED = {
     ("decode", D_, "_plan_impl"): "self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *, pos_encoding_mode='NONE', window_left=-1, window_right=0, logits_soft_cap=None, q_data_type='float16', kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True, block_tables=None, seq_lens=None, fixed_split_size=None, disable_split_kv=False, q_len_per_req=1, is_causal=None",  # noqa: E501
     ("decode", D_, "run"): "self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None, skip_softmax_threshold_scale_factor=None, kv_cache_sf=None",  # noqa: E501
     ("sampling", None, "top_k_top_p_sampling_from_logits"): "logits, top_k, top_p, indices=None, filter_apply_order='top_k_first', deterministic=True, generator=None, check_nan=False, seed=None, offset=None",  # noqa: E501
+    ("activation", None, "silu_and_mul"): "input, out=None, enable_pdl=None",
 }
 HQ, HKV, HD, PS = 40, 8, 16, 4  # GQA 5:1 as Llama-4's 40/8
 
@@ -60,7 +61,9 @@ def fmt_ast(fn: ast.FunctionDef) -> str:
 
 
 def standin_function(fi, module, cls, name):
-    return getattr(fi.sampling if module == "sampling" else getattr(fi, cls), name)
+    if cls is None:  # a module-level function of a submodule
+        return getattr(getattr(fi, module), name)
+    return getattr(getattr(fi, cls), name)
 
 
 def test_signatures_equal_072(fi):
@@ -71,14 +74,34 @@ def test_signatures_equal_072(fi):
 @pytest.mark.skipif(not WHEEL.exists(), reason="no FlashInfer wheel at .whl/ (CI)")
 def test_expected_signatures_are_the_wheels():
     with zipfile.ZipFile(WHEEL) as whl:
-        trees = {m: ast.parse(whl.read(f"flashinfer/{m}.py")) for m in ("prefill", "decode",
-                                                                      "sampling")}
+        trees = {m: ast.parse(whl.read(f"flashinfer/{m}.py"))
+                 for m in ("prefill", "decode", "sampling", "activation")}
     for (module, cls, name), expected in EXPECTED.items():
         body = trees[module].body
         if cls is not None:
             body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == cls).body
         defs = [n for n in body if isinstance(n, ast.FunctionDef) and n.name == name]
         assert fmt_ast(defs[-1]) == expected, (cls, name)  # the last def: not an @overload
+
+
+def test_silu_and_mul_is_silu_of_the_first_half_times_the_second(fi):
+    """float32 rows: silu(gate) * up to float32 rounding; an odd last dim, a strided input
+    and a wrong ``out`` refused (the last: 0.7.2.post1 asserts; a strided input it would read
+    wrong)."""
+    import flashinfer.activation as act
+
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0))
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(act.silu_and_mul(x), want, rtol=1e-6, atol=1e-6)
+    out = torch.empty(3, 5, 8)
+    assert act.silu_and_mul(x, out) is out
+    with pytest.raises(ValueError, match="must be even"):
+        act.silu_and_mul(x[..., :15])
+    with pytest.raises(ValueError, match="strided"):
+        act.silu_and_mul(x.transpose(0, 1))
+    with pytest.raises(AssertionError):
+        act.silu_and_mul(x, torch.empty(3, 5, 16))
 
 
 def test_install_is_a_plain_module(fi):

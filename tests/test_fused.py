@@ -171,3 +171,41 @@ def test_two_ranks_fuse_their_own_slices(scout_hf, tmp_path, monkeypatch):
     monkeypatch.setattr(fused, "FUSE_PROJECTIONS", True)  # CPU ranks are forked: they see it
     with engine(path, tensor_parallel_size=2) as two:
         check_same_outputs(two, plain)
+
+
+def test_gated_act_reaches_flashinfer_silu_and_mul_where_available(ckpt, monkeypatch):
+    """With FlashInfer's silu_and_mul available (here: the strict stand-in, made available
+    on the CPU), every fused act(gate) * up -- the routed experts, the shared experts and
+    the dense MLPs -- goes through it with a contiguous [rows, 2 * inner], and the prompt
+    logits stay those of torch's two kernels."""
+    import flashinfer_standin
+
+    fi = flashinfer_standin.install(monkeypatch)
+    path, _ = ckpt
+    kw = dict(dtype=torch.float32, max_num_seqs=2, max_model_len=64, num_kv_blocks=16)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    want = chunklocal.LLM(path, **kw).prompt_logits(prompts)
+    assert not fused.silu_mul_available(torch.zeros(2, 8), nn.SiLU())  # CPU rows: never
+    calls, real = [], fi.activation.silu_and_mul
+    monkeypatch.setattr(fi.activation, "silu_and_mul",
+                        lambda x, *a, **k: calls.append(tuple(x.shape)) or real(x, *a, **k))
+    monkeypatch.setattr(fused, "silu_mul_available", lambda gate_up, act: fused.is_silu(act))
+    llm = chunklocal.LLM(path, **kw)
+    got = llm.prompt_logits(prompts)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    config = llm.config
+    widths = {2 * config.intermediate_size, 2 * config.intermediate_size_mlp}
+    assert calls and {shape[-1] for shape in calls} == widths  # experts and dense MLPs
+
+
+def test_silu_mul_needs_the_switch_cuda_and_silu(monkeypatch):
+    monkeypatch.setattr(fused, "SILU_MUL_ENABLED", False)
+    x = torch.zeros(2, 8)
+    assert not fused.silu_mul_available(x, nn.SiLU())
+    monkeypatch.setattr(fused, "SILU_MUL_ENABLED", True)
+    assert not fused.silu_mul_available(x, nn.SiLU())  # a CPU tensor
+    assert fused.is_silu(nn.SiLU()) and not fused.is_silu(nn.GELU())
+    gate, up = torch.randn(2, 4), torch.randn(2, 4)
+    out = fused.gated_act(torch.cat([gate, up], dim=1), nn.SiLU())
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up)

@@ -19,6 +19,7 @@ The parts are freed as each layer is fused, so the peak is one layer's projectio
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,41 @@ from chunklocal.models.quant import FP8, Fp8Linear
 
 #: Fuse at load (``models.loader.load_model``); False keeps the checkpoint's modules (A/B).
 FUSE_PROJECTIONS = True
+
+#: ``act(gate) * up`` of a fused ``[gate | up]`` as FlashInfer's one-kernel
+#: ``flashinfer.activation.silu_and_mul`` (CUDA, SiLU): torch runs the SiLU and the product
+#: as two kernels over the strided halves, 18.8 + 26.0 ms of a full-size Scout FP8 8k
+#: prefill step of 440 (96 + 159 launches; BENCHMARKS.md, thirteenth session), where one
+#: pass reads the pair once and writes the product once.  It rounds to bf16 once (torch:
+#: after the SiLU and after the product).  Off until an H200 run measures it and the token
+#: tests pass with it (``CHUNKLOCAL_SILU_MUL=1``).
+SILU_MUL_ENABLED = os.environ.get("CHUNKLOCAL_SILU_MUL", "0") == "1"
+
+
+def is_silu(act: nn.Module) -> bool:
+    """transformers' ``ACT2FN["silu"]`` (SiLUActivation, or nn.SiLU in other versions)."""
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def silu_mul_available(gate_up: torch.Tensor, act: nn.Module) -> bool:
+    """FlashInfer's ``silu_and_mul`` runs on ``gate_up`` and is switched on: CUDA rows of
+    bf16/fp16, contiguous, each half a whole number of 16-byte vectors."""
+    return (SILU_MUL_ENABLED and gate_up.is_cuda and is_silu(act)
+            and gate_up.dtype in (torch.bfloat16, torch.float16) and gate_up.is_contiguous()
+            and gate_up.shape[-1] % 2 == 0
+            and gate_up.shape[-1] // 2 * gate_up.element_size() % 16 == 0)
+
+
+def gated_act(gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up = [gate | up]`` along the last dim: FlashInfer's
+    ``silu_and_mul`` where :func:`silu_mul_available`, else torch, the activation's own
+    output taking the product in place (one ``[T, inner]`` less at the memory peak)."""
+    if silu_mul_available(gate_up, act):
+        import flashinfer.activation
+
+        return flashinfer.activation.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate).mul_(up)
 
 
 def concat_linears(parts: Sequence[nn.Module]) -> nn.Module:
@@ -120,8 +156,7 @@ class GatedMLPBase(nn.Module):
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """``act(gate(x)) * up(x)``: the down projection's input."""
-        # In place on the activation's own output: one [T, inner] less at the peak.
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.act(gate).mul_(up)
+            return gated_act(self.gate_up_proj(x), self.act)
+        # In place on the activation's own output: one [T, inner] less at the peak.
         return self.act(self.gate_proj(x)).mul_(self.up_proj(x))

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chunklocal.models.fused import GatedMLPBase
+from chunklocal.models.fused import GatedMLPBase, gated_act
 from chunklocal.models.parallel import SINGLE, ShardRule, TPGroup, column_parallel, row_parallel
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -320,18 +320,17 @@ class MoE(nn.Module):
         order, offs = sort_by_expert(expert, num_groups)
         token = order // slots if slots > 1 else order
         # Each intermediate is dropped as soon as the next exists (``del``), and the gate's
-        # activation takes the product in place: the memory profile reserves this block's
-        # peak for good (engine/memory.py), and on full-size Scout FP8 the gate/up product
-        # held on through the shared expert (benchmarks/activation_peak.py).
+        # activation and the product are one tensor (gated_act): the memory profile reserves
+        # this block's peak for good (engine/memory.py), and on full-size Scout FP8 the
+        # gate/up product held on through the shared expert (benchmarks/activation_peak.py).
         rows = x[token] * score.reshape(-1, 1)[order]  # Llama-4 scales the input
         w13, w2 = ex.w13[:num_groups], ex.w2[:num_groups]
         small = rows.shape[0] <= self.triton_max_pairs
         ub = getattr(ex, "act_scale_ub", None)
         gate_up = expert_mm(rows, w13, offs, ex.w13_scale, small, ub)
         del rows
-        gate, up = gate_up.chunk(2, dim=-1)
-        inner = self.act(gate).mul_(up)
-        del gate, up, gate_up
+        inner = gated_act(gate_up, self.act)
+        del gate_up
         # "tp": each rank holds a slice of every pair's w2 input (routing is the same on
         # every rank, so row i is the same pair everywhere): FP8 scales it by its full amax
         split = self.tp.all_reduce_max if self.tp.size > 1 and elsewhere is None else None
@@ -348,5 +347,5 @@ class MoE(nn.Module):
     def _shared(self, x):
         if not self.stacked:
             return self.shared_expert(x)
-        gate, up = F.linear(x, self.experts.w13[-1]).chunk(2, dim=-1)
-        return F.linear(self.act(gate).mul_(up), self.experts.w2[-1])
+        return F.linear(gated_act(F.linear(x, self.experts.w13[-1]), self.act),
+                        self.experts.w2[-1])
