@@ -267,20 +267,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, state: list, q_scale, freqs_cis, steps) -> None:
-        """``state = [h, residual]``, replaced in place by this layer's.  ``h``: the previous
-        sublayer's output, not yet added to the residual stream (``residual``; None before
-        the first layer, where ``h`` is the embeddings), so each add meets the norm after it
-        in one place (:func:`add_rms_norm`); this layer leaves its feed-forward output and
-        the residual stream it has not been added to.
-
-        Why a list and the ``del``s: the largest step's memory peak is reserved for good
-        (engine/memory.py) and falls in the feed-forward.  Arguments stay referenced by the
-        caller for the whole call, so a layer called as ``layer(h, residual)`` kept its
-        inputs, its queries/keys/values and the attention's output alive through its
-        feed-forward (0.3-0.6 GiB of a full-size Scout 8192-token step,
-        benchmarks/activation_peak.py).  Each stage's inputs are dropped here as soon as
-        the next exists; :meth:`after_attention` is the same tail for piecewise graphs,
-        whose segments read static buffers instead."""
+        """``state = [h, residual]``, replaced in place by this layer's: ``h`` is the previous
+        sublayer's output not yet added to the residual stream ``residual`` (None before the
+        first layer, where ``h`` is the embeddings; each add meets the next norm in
+        :func:`add_rms_norm`).  A list, and ``del`` after each stage, because arguments stay
+        referenced by the caller for the whole call: ``layer(h, residual)`` kept its inputs,
+        q/k/v and the attention's output alive through the feed-forward, where the memory
+        profile's reserved peak falls (benchmarks/activation_peak.py).  Piecewise graphs
+        run the same tail through :meth:`after_attention`."""
         h, residual = state
         state.clear()
         q, k, v, residual = self.before_attention(h, residual, q_scale, freqs_cis)

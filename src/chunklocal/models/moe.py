@@ -45,16 +45,12 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 STACK_SHARED = False    # shared expert into slot E of the stacks (float weights)
 FUSE_MAX_TOKENS = 0     # steps up to this many tokens run it as group E
 TRITON_PAIRS_PER_EXPERT = 16  # steps up to this many (token, expert) pairs per expert
-#: Longer steps run the block over slices of this many tokens, one after the other: every
-#: token's output depends on that token alone, and a slice's gate/up products, their
-#: activation and FP8 copies are freed before the next slice starts, so the memory
-#: profile's peak (reserved for good, engine/memory.py) holds one slice's.  Measured on
-#: full-size Scout FP8, H200 (BENCHMARKS.md): at 8192-token steps slices of 4096 lowered the
-#: profiled peak 3.35 -> 2.98 GiB and let 296 instead of 292 1k-token sequences fit, but
-#: the 8k / 32k prefill took 3-5% longer (2048: 2.75 GiB, 13-18% longer).  So the default
-#: slices only steps past vLLM's serving default of 8192 batched tokens: no cost there, and
-#: a larger ``max_num_batched_tokens`` does not grow the MoE's share of the peak.
-#: 0: never slice.  ``CHUNKLOCAL_MOE_CHUNK_TOKENS`` sets it at import.
+#: Longer steps run the block in slices of this many tokens (each token's output is its own),
+#: so the memory profile's peak (reserved for good, engine/memory.py) holds one slice's
+#: intermediates.  Full-size Scout FP8 on the H200 (BENCHMARKS.md): slices of 4096 in an
+#: 8192-token step cut the peak 3.35 -> 2.98 GiB (296 sequences fit, not 292) but made the
+#: 8k / 32k prefill 3-5% slower (2048: 13-18%), so only steps past vLLM's 8192-token
+#: serving default are sliced, at no cost.  0: never.  ``CHUNKLOCAL_MOE_CHUNK_TOKENS``.
 MOE_CHUNK_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_CHUNK_TOKENS", "8192"))
 
 
