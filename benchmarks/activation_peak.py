@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import base_parser, format_table, write_json
+from chunklocal.bounds.kv_pools import GIB
 
-GIB = 1 << 30
 OURS = ("chunklocal", "flashinfer", "benchmarks")
 
 

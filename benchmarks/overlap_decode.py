@@ -19,13 +19,13 @@ floor / decode time.
 
     python -m benchmarks.overlap_decode --batches 1 64 --out $OUT
     python -m benchmarks.overlap_decode --batches 1 --profile --out $OUT   # + device idle
+    python -m benchmarks.overlap_decode --smoke        # CPU: checks the logic
 
 ``--profile`` adds, per mode, one more ``--new``-token generate under torch.profiler: device
 busy and idle ms per decode step (idle: gaps between kernels inside the span) and the kernel
 classes per step.  At batch 1 async scheduling hid 1.6 of the 3.2 ms the synchronous loop
 spends outside the graph replay (2026-12-02); the idle figure says whether the rest is the
 device waiting for the host.
-    python -m benchmarks.overlap_decode --smoke        # CPU: checks the logic
 """
 
 from __future__ import annotations

@@ -47,7 +47,10 @@ def is_silu(act: nn.Module) -> bool:
 
 def silu_mul_available(gate_up: torch.Tensor, act: nn.Module) -> bool:
     """FlashInfer's ``silu_and_mul`` runs on ``gate_up`` and is switched on: CUDA rows of
-    bf16/fp16, contiguous, each half a whole number of 16-byte vectors."""
+    bf16/fp16, contiguous (its kernel walks rows from the data pointer), an even width
+    (its check).  Each half a whole number of 16-byte vectors too: 0.7.2.post1 no longer
+    asks it, but that keeps to its full-width vector loads until an H200 run has measured
+    the switch (every Llama-4 width is such a multiple)."""
     return (SILU_MUL_ENABLED and gate_up.is_cuda and is_silu(act)
             and gate_up.dtype in (torch.bfloat16, torch.float16) and gate_up.is_contiguous()
             and gate_up.shape[-1] % 2 == 0

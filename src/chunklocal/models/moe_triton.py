@@ -23,6 +23,8 @@ that ran at 5-39% of the copy rate, 2-5x slower than torch's path (BENCHMARKS.md
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from chunklocal._validate import cdiv
@@ -36,7 +38,7 @@ if triton is not None:
 #: On since the H200 run of 2026-12-02 (BENCHMARKS.md): routed experts at 16-256 rows at
 #: 89-102% of the copy rate against torch's 54-61%, dense layers of 1-16 rows at 45-55%
 #: against 20-24%; full-size Scout FP8 decode at batch 64 49.3 ms against 61.1 ms.
-FP8_ENABLED = __import__("os").environ.get("CHUNKLOCAL_FP8_TRITON", "1") == "1"
+FP8_ENABLED = os.environ.get("CHUNKLOCAL_FP8_TRITON", "1") == "1"
 
 #: Rows per pass over a weight slab.  16 keeps Triton on Hopper's mma.sync path, whose FP8
 #: partial sums are float32; a 64-row tile takes the wgmma path, whose FP8 partial sums are
@@ -175,8 +177,7 @@ def split_k_for(num_rows: int, num_experts: int, n_dim: int, k_dim: int, block_n
 #: about 0.6-0.8 ms of its 12.3 (BENCHMARKS.md, twelfth session).  The counters are one
 #: persistent zeroed buffer per device that each call leaves zeroed: calls on one stream at
 #: a time.  Off until an H200 run measures it (``CHUNKLOCAL_FP8_SPLITK_REDUCE=1``).
-SPLITK_REDUCE_IN_KERNEL = __import__("os").environ.get("CHUNKLOCAL_FP8_SPLITK_REDUCE",
-                                                       "0") == "1"
+SPLITK_REDUCE_IN_KERNEL = os.environ.get("CHUNKLOCAL_FP8_SPLITK_REDUCE", "0") == "1"
 MAX_TILE_COUNTERS = 1 << 16  # (expert, N-tile) pairs of one call: Scout's largest is 17 x 256
 _TILE_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
