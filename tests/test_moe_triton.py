@@ -188,6 +188,46 @@ def test_fp8_kernel_adds_its_k_slices_itself():
     run_in_interpreter(REDUCE_SCRIPT)
 
 
+FEW_ROWS_SCRIPT = textwrap.dedent("""
+    import torch
+    from chunklocal.models import moe_triton
+    from chunklocal.models.quant import FP8, dequantize, quantize_per_token
+
+    gen = torch.Generator().manual_seed(3)
+    e, n, k = 5, 24, 64
+    w = (torch.randn(e, n, k, generator=gen) * 0.5).to(FP8)
+    w_scale = torch.rand(e, n, generator=gen) + 0.5
+    x = (torch.randn(3, k, generator=gen) * 100).clamp(-448, 448).to(FP8).float()
+    x[:, 0] = 448.0  # exactly quantizable rows (see FP8_SCRIPT)
+    # fewer rows than experts: min(E, M) slots, each the j-th expert with rows; the last
+    # case has a padding row past offs[-1] (its output unspecified)
+    cases = (([0, 0, 0, 1, 1], 1, [3]), ([0, 1, 1, 1, 2], 2, [1, 4]),
+             ([1, 1, 2, 2, 2], 3, [0, 2]), ([0, 0, 0, 0, 0], 2, []))
+    for ends, m, experts in cases:
+        offs = torch.tensor(ends, dtype=torch.int32)
+        xq, scale = quantize_per_token(x[:m], None)
+        wd = dequantize(w, w_scale).double()
+        for reduce in (False, True):
+            got = moe_triton.fp8_grouped_mm_small(x[:m], w, w_scale, offs, block_n=16,
+                                                  block_k=32, split_k=2,
+                                                  reduce_in_kernel=reduce)
+            for row, expert in enumerate(experts):
+                want = (xq[row].double() * scale[row].double()) @ wd[expert].T
+                err = float((got[row].double() - want).abs().max() / want.abs().max())
+                assert err < 2.0 ** -12, (ends, reduce, row, expert, err)
+            assert not reduce or not moe_triton._TILE_COUNTERS[x.device].any()
+    assert moe_triton.routed_slots(0, e) == 1 and moe_triton.routed_slots(9, e) == e
+    print("ok")
+""")
+
+
+def test_fp8_kernel_launches_only_routed_experts():
+    """Fewer rows than experts: the grid has min(E, M) expert slots and slot j serves the
+    j-th expert with rows, the last expert included, with and without the in-kernel sum;
+    a step where no expert has rows writes nothing and leaves the counters zeroed."""
+    run_in_interpreter(FEW_ROWS_SCRIPT)
+
+
 QUANT_SCRIPT = textwrap.dedent("""
     import torch
     from chunklocal.models import moe_triton, quant_triton

@@ -88,16 +88,26 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_rows"])
     def _fp8_splitk_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, part_ptr, offs_ptr, out_ptr,
                            count_ptr, N, K, k_split, stride_xm, stride_we, stride_wn,
-                           stride_se, stride_ps, stride_pm, stride_om, num_rows,
+                           stride_se, stride_ps, stride_pm, stride_om, num_rows, num_experts,
                            HAS_OFFS: tl.constexpr, REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           EXPERTS_POW2: tl.constexpr):
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
-        expert = tl.program_id(2)
+        slot = tl.program_id(2)  # the slot-th routed expert (one with rows), not expert slot
         if HAS_OFFS:
-            end = tl.load(offs_ptr + expert)
-            start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
+            es = tl.arange(0, EXPERTS_POW2)
+            e_ok = es < num_experts
+            ends = tl.load(offs_ptr + es, mask=e_ok, other=0)
+            starts = tl.load(offs_ptr + es - 1, mask=e_ok & (es > 0), other=0)
+            routed = e_ok & (ends > starts)
+            hit = routed & (tl.cumsum(routed.to(tl.int32), 0) == slot + 1)
+            # no hit (fewer routed experts than slots): start == end == 0, nothing is read
+            expert = tl.sum(tl.where(hit, es, 0), 0)
+            end = tl.sum(tl.where(hit, ends, 0), 0)
+            start = tl.sum(tl.where(hit, starts, 0), 0)
         else:  # one group of every row (a dense layer): no offsets tensor to make
+            expert = slot
             end = num_rows
             start = 0
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,8 +136,8 @@ if triton is not None:
             tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
         if REDUCE:  # the last of this tile's K-slices to finish adds them, in slice order
             tl.debug_barrier()  # every thread's partial stored before the ticket (release)
-            slot = count_ptr + expert * tl.num_programs(0) + pid_n
-            ticket = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
+            counter = count_ptr + slot * tl.num_programs(0) + pid_n
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == tl.num_programs(1) - 1:
                 for m0 in range(start, end, BLOCK_M):
                     rows = m0 + tl.arange(0, BLOCK_M)
@@ -139,7 +149,7 @@ if triton is not None:
                                          cache_modifier=".cg")
                     dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
                     tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=ok)
-                tl.store(slot, 0)  # ready for the next call on this stream
+                tl.store(counter, 0)  # ready for the next call on this stream
 
 
 #: Programs per SM that split-K aims for: each streams its own slab, so a step of one row
@@ -167,6 +177,18 @@ def split_k_for(num_rows: int, num_experts: int, n_dim: int, k_dim: int, block_n
     ``num_rows``), and no slice thinner than ``block_k``."""
     tiles = cdiv(n_dim, block_n) * max(1, min(num_experts, num_rows))
     return max(1, min(cdiv(PROGRAMS_PER_SM * sm_count, tiles), cdiv(k_dim, block_k)))
+
+
+def routed_slots(num_rows: int, num_experts: int) -> int:
+    """The FP8 kernel's third grid dimension: one slot per expert that can have rows.  M
+    rows reach at most ``min(E, M)`` experts, so a program of slot j serves the j-th expert
+    with rows (a prefix sum over ``offs`` in the kernel) and no program is launched for the
+    experts a small step leaves empty.  One slot per expert (the kernel's first grid)
+    launched ``E - 1`` slabs of empty programs at a batch-1 step, each wave holding SM
+    shared memory while it read ``offs`` and returned: the routed w13 GEMM ran at 52% of
+    the copy rate where the dense gate/up of half its bytes ran at 62% (BENCHMARKS.md,
+    fourteenth session).  At least one slot: a step of no rows still launches a grid."""
+    return max(1, min(num_experts, num_rows))
 
 
 #: Whether :func:`fp8_grouped_mm_small`'s kernel adds its K-slices itself: the last program
@@ -206,8 +228,8 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     unspecified.
 
     Two steps: the rows are quantized once (:func:`quant_triton.quantize_rows`, torch's
-    bits), then a split-K grouped GEMM (grid ``N-tiles x K-slices x E``; an expert with no
-    rows returns at once, so unrouted experts are never read) writes float32 partial
+    bits), then a split-K grouped GEMM (grid ``N-tiles x K-slices x`` :func:`routed_slots`;
+    an expert with no rows gets no program, so unrouted experts are never read) writes float32 partial
     products, scaled, that one sum over the slices adds up (or the kernel's last program of
     each tile, :data:`SPLITK_REDUCE_IN_KERNEL`; ``reduce_in_kernel`` overrides it).  Tiles of
     ``FP8_BLOCK_M`` rows (mma.sync: float32 partial sums); ``split_k`` None:
@@ -227,16 +249,17 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     split_k = triton.cdiv(k_dim, k_split)
     xq, x_scale = quantize_rows(x, scale_ub)
     part = torch.empty(split_k, num_rows, n_dim, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n_dim, block_n), split_k, num_experts)
+    grid = (triton.cdiv(n_dim, block_n), split_k, routed_slots(num_rows, num_experts))
     reduce = SPLITK_REDUCE_IN_KERNEL if reduce_in_kernel is None else reduce_in_kernel
     out = torch.empty(num_rows, n_dim, dtype=x.dtype, device=x.device) if reduce else part
-    counters = tile_counters(x.device, grid[0] * num_experts) if reduce else part
+    counters = tile_counters(x.device, grid[0] * grid[2]) if reduce else part
     _fp8_splitk_kernel[grid](
         xq, x_scale, w, w_scale, part, x if offs is None else offs, out, counters, n_dim,
         k_dim, k_split, xq.stride(0), w.stride(0), w.stride(1), w_scale.stride(0),
-        part.stride(0), part.stride(1), out.stride(0), num_rows, HAS_OFFS=offs is not None,
-        REDUCE=reduce, BLOCK_M=FP8_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=4)
+        part.stride(0), part.stride(1), out.stride(0), num_rows, num_experts,
+        HAS_OFFS=offs is not None, REDUCE=reduce, BLOCK_M=FP8_BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=block_k, EXPERTS_POW2=triton.next_power_of_2(num_experts), num_warps=num_warps,
+        num_stages=4)
     if reduce:
         return out
     out = part[0] if split_k == 1 else part.sum(0)
