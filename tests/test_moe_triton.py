@@ -61,7 +61,8 @@ def run_in_interpreter(script: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(tests), *sys.path]))
     for switch in ("CHUNKLOCAL_FP8_TRITON", "CHUNKLOCAL_FP8_QUANT_TRITON",
-                   "CHUNKLOCAL_NORM_TRITON", "CHUNKLOCAL_FP8_SPLITK_REDUCE"):
+                   "CHUNKLOCAL_NORM_TRITON", "CHUNKLOCAL_FP8_SPLITK_REDUCE",
+                   "CHUNKLOCAL_FP8_ROUTED_SLOTS"):
         env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
@@ -193,6 +194,7 @@ FEW_ROWS_SCRIPT = textwrap.dedent("""
     from chunklocal.models import moe_triton
     from chunklocal.models.quant import FP8, dequantize, quantize_per_token
 
+    assert not moe_triton.ROUTED_SLOTS_ENABLED  # off by default (=1 turns it on)
     gen = torch.Generator().manual_seed(3)
     e, n, k = 5, 24, 64
     w = (torch.randn(e, n, k, generator=gen) * 0.5).to(FP8)
@@ -210,7 +212,8 @@ FEW_ROWS_SCRIPT = textwrap.dedent("""
         for reduce in (False, True):
             got = moe_triton.fp8_grouped_mm_small(x[:m], w, w_scale, offs, block_n=16,
                                                   block_k=32, split_k=2,
-                                                  reduce_in_kernel=reduce)
+                                                  reduce_in_kernel=reduce,
+                                                  routed_slots_in_kernel=True)
             for row, expert in enumerate(experts):
                 want = (xq[row].double() * scale[row].double()) @ wd[expert].T
                 err = float((got[row].double() - want).abs().max() / want.abs().max())
@@ -222,9 +225,9 @@ FEW_ROWS_SCRIPT = textwrap.dedent("""
 
 
 def test_fp8_kernel_launches_only_routed_experts():
-    """Fewer rows than experts: the grid has min(E, M) expert slots and slot j serves the
-    j-th expert with rows, the last expert included, with and without the in-kernel sum;
-    a step where no expert has rows writes nothing and leaves the counters zeroed."""
+    """ROUTED_SLOTS_ENABLED's grid, fewer rows than experts: min(E, M) expert slots, slot j
+    serving the j-th expert with rows, the last expert included, with and without the
+    in-kernel sum; a step where no expert has rows leaves the counters zeroed."""
     run_in_interpreter(FEW_ROWS_SCRIPT)
 
 

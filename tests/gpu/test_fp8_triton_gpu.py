@@ -115,3 +115,52 @@ def test_kernel_adding_its_k_slices_equals_the_separate_sum(sizes, split_k):
 def test_kernel_adding_its_k_slices_replays_in_a_cuda_graph():
     check_replays_with_new_routing(lambda *a: moe_triton.fp8_grouped_mm_small(
         *a, reduce_in_kernel=True))
+
+
+@pytest.mark.parametrize("sizes", [[0, 0, 0, 1], [1, 0, 0, 0, 0, 0, 0, 0], [0, 2, 0, 1, 0],
+                                   [16, 32, 0, 48], [4] * 16],
+                         ids=["last-expert", "first-of-8", "two-of-5", "aligned", "spread"])
+@pytest.mark.parametrize("reduce", [False, True], ids=["sum", "reduce"])
+def test_routed_slots_grid_gives_the_same_bits(sizes, reduce):
+    """ROUTED_SLOTS_ENABLED (off by default): min(E, M) slots, the j-th serving the j-th
+    expert with rows, compute each tile as the one-slot-per-expert grid does -- the same
+    bits -- and the counters are left zeroed."""
+    e, n, k = len(sizes), 320, 8192
+    w, scale = fp8_weights(e, n, k, seed=e + 11)
+    x = bf16_rows(sum(sizes), k, seed=5)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    args = (x.cuda(), w.cuda(), scale.cuda(), offs.cuda())
+    per_expert = moe_triton.fp8_grouped_mm_small(*args, reduce_in_kernel=reduce,
+                                                 routed_slots_in_kernel=False)
+    routed = moe_triton.fp8_grouped_mm_small(*args, reduce_in_kernel=reduce,
+                                             routed_slots_in_kernel=True)
+    assert torch.equal(routed, per_expert)
+    if reduce:
+        assert not moe_triton._TILE_COUNTERS[torch.device("cuda", 0)].any()
+
+
+@torch.inference_mode()
+def test_routed_slots_grid_replays_in_a_cuda_graph_with_new_routing():
+    """Two rows over six experts: a graph of two slots, captured once, follows each step's
+    routing (the slots' experts are found on the device at every replay)."""
+    check_replays_with_new_routing(lambda *a: moe_triton.fp8_grouped_mm_small(
+        *a, routed_slots_in_kernel=True))
+    e, n, k, m = 6, 256, 512, 2
+    w, scale = fp8_weights(e, n, k, seed=13)
+    w, scale = w.cuda(), scale.cuda()
+    x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+    offs = torch.zeros(e, dtype=torch.int32, device="cuda")
+
+    def step(compact):
+        return moe_triton.fp8_grouped_mm_small(x, w, scale, offs, routed_slots_in_kernel=compact)
+
+    step(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(True)
+    for seed, sizes in enumerate([[2, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 1], [0, 0, 0, 0, 0, 2],
+                                  [0, 0, 1, 1, 0, 0]]):
+        x.copy_(bf16_rows(m, k, seed=seed))
+        offs.copy_(torch.tensor(sizes).cumsum(0))
+        graph.replay()
+        assert torch.equal(out, step(False)), sizes

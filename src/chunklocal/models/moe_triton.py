@@ -89,13 +89,14 @@ if triton is not None:
     def _fp8_splitk_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, part_ptr, offs_ptr, out_ptr,
                            count_ptr, N, K, k_split, stride_xm, stride_we, stride_wn,
                            stride_se, stride_ps, stride_pm, stride_om, num_rows, num_experts,
-                           HAS_OFFS: tl.constexpr, REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           HAS_OFFS: tl.constexpr, ROUTED_SLOTS: tl.constexpr,
+                           REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            EXPERTS_POW2: tl.constexpr):
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
-        slot = tl.program_id(2)  # the slot-th routed expert (one with rows), not expert slot
-        if HAS_OFFS:
+        slot = tl.program_id(2)  # ROUTED_SLOTS: the slot-th expert with rows, else expert slot
+        if HAS_OFFS and ROUTED_SLOTS:
             es = tl.arange(0, EXPERTS_POW2)
             e_ok = es < num_experts
             ends = tl.load(offs_ptr + es, mask=e_ok, other=0)
@@ -106,6 +107,10 @@ if triton is not None:
             expert = tl.sum(tl.where(hit, es, 0), 0)
             end = tl.sum(tl.where(hit, ends, 0), 0)
             start = tl.sum(tl.where(hit, starts, 0), 0)
+        elif HAS_OFFS:
+            expert = slot
+            end = tl.load(offs_ptr + expert)
+            start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
         else:  # one group of every row (a dense layer): no offsets tensor to make
             expert = slot
             end = num_rows
@@ -191,6 +196,12 @@ def routed_slots(num_rows: int, num_experts: int) -> int:
     return max(1, min(num_experts, num_rows))
 
 
+#: Whether the FP8 kernel's grid has :func:`routed_slots` expert slots (on) or one per
+#: expert.  Written after the fourteenth session's device time: off until an H200 run
+#: measures it (``CHUNKLOCAL_FP8_ROUTED_SLOTS=1``; tests/gpu/test_fp8_triton_gpu.py).
+ROUTED_SLOTS_ENABLED = os.environ.get("CHUNKLOCAL_FP8_ROUTED_SLOTS", "0") == "1"
+
+
 #: Whether :func:`fp8_grouped_mm_small`'s kernel adds its K-slices itself: the last program
 #: of each (expert, N-tile) to finish -- a ticket on a per-tile counter, after a barrier and
 #: an acquire-release atomic -- sums the slices' float32 partials in slice order (so the
@@ -219,8 +230,8 @@ def tile_counters(device: torch.device, needed: int) -> torch.Tensor:
 def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          offs: torch.Tensor | None, scale_ub: float | None = None, *,
                          block_n: int = 64, block_k: int = 256, split_k: int | None = None,
-                         num_warps: int = 4, reduce_in_kernel: bool | None = None
-                         ) -> torch.Tensor:
+                         num_warps: int = 4, reduce_in_kernel: bool | None = None,
+                         routed_slots_in_kernel: bool | None = None) -> torch.Tensor:
     """What :func:`chunklocal.models.quant.fp8_grouped_mm` computes (per-token dynamic
     activation scales, capped at ``scale_ub``): ``x [M, K]`` bf16 rows sorted by expert,
     ``w [E, N, K]`` float8_e4m3fn, ``w_scale [E, N]`` float32, ``offs`` int32 [E] group ends
@@ -228,10 +239,11 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     unspecified.
 
     Two steps: the rows are quantized once (:func:`quant_triton.quantize_rows`, torch's
-    bits), then a split-K grouped GEMM (grid ``N-tiles x K-slices x`` :func:`routed_slots`;
-    an expert with no rows gets no program, so unrouted experts are never read) writes float32 partial
-    products, scaled, that one sum over the slices adds up (or the kernel's last program of
-    each tile, :data:`SPLITK_REDUCE_IN_KERNEL`; ``reduce_in_kernel`` overrides it).  Tiles of
+    bits), then a split-K grouped GEMM (grid ``N-tiles x K-slices x E``, or x
+    :func:`routed_slots` with :data:`ROUTED_SLOTS_ENABLED` / ``routed_slots_in_kernel``; an
+    expert with no rows reads no weights) writes float32 partial products, scaled, that
+    one sum over the slices adds up (or the kernel's last program of each tile,
+    :data:`SPLITK_REDUCE_IN_KERNEL`; ``reduce_in_kernel`` overrides it).  Tiles of
     ``FP8_BLOCK_M`` rows (mma.sync: float32 partial sums); ``split_k`` None:
     :func:`split_k_for`."""
     if triton is None:
@@ -249,17 +261,19 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     split_k = triton.cdiv(k_dim, k_split)
     xq, x_scale = quantize_rows(x, scale_ub)
     part = torch.empty(split_k, num_rows, n_dim, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n_dim, block_n), split_k, routed_slots(num_rows, num_experts))
     reduce = SPLITK_REDUCE_IN_KERNEL if reduce_in_kernel is None else reduce_in_kernel
+    compact = ROUTED_SLOTS_ENABLED if routed_slots_in_kernel is None else routed_slots_in_kernel
+    slots = routed_slots(num_rows, num_experts) if compact else num_experts
+    grid = (triton.cdiv(n_dim, block_n), split_k, slots)
     out = torch.empty(num_rows, n_dim, dtype=x.dtype, device=x.device) if reduce else part
     counters = tile_counters(x.device, grid[0] * grid[2]) if reduce else part
     _fp8_splitk_kernel[grid](
         xq, x_scale, w, w_scale, part, x if offs is None else offs, out, counters, n_dim,
         k_dim, k_split, xq.stride(0), w.stride(0), w.stride(1), w_scale.stride(0),
         part.stride(0), part.stride(1), out.stride(0), num_rows, num_experts,
-        HAS_OFFS=offs is not None, REDUCE=reduce, BLOCK_M=FP8_BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=block_k, EXPERTS_POW2=triton.next_power_of_2(num_experts), num_warps=num_warps,
-        num_stages=4)
+        HAS_OFFS=offs is not None, ROUTED_SLOTS=compact, REDUCE=reduce, BLOCK_M=FP8_BLOCK_M,
+        BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS_POW2=triton.next_power_of_2(num_experts),
+        num_warps=num_warps, num_stages=4)
     if reduce:
         return out
     out = part[0] if split_k == 1 else part.sum(0)
