@@ -16,12 +16,14 @@ Two parts, one run (GPU):
 * **Engine**: full-size Scout FP8 (dummy weights, ``benchmarks.decode_floor``'s model)
   decode steps at the given batches, 1k contexts, one engine per variant of
   ``--engine-paths`` (``ENGINE_PATHS``: projections unfused, torch's path, with the
-  quantization kernel, with the GEMM kernel, the defaults (both kernels), and the defaults
-  with the elementwise-tail kernels), one after the other, on spread routing
+  quantization kernel, with the GEMM kernel, the defaults (both kernels), the defaults
+  with the elementwise-tail kernels, and those with the FP8 kernel's in-kernel K-slice sum
+  (reduce), its routed-expert grid (slots) or both), one after the other, on spread routing
   (``floors.BalancedRouting``; the experts touched per layer are in each row).
 
     python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
-        [--engine-paths unfused torch quant triton defaults tail] [--sweep 1 16 64]
+        [--engine-paths unfused torch quant triton defaults tail reduce slots slots_reduce]
+        [--sweep 1 16 64]
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def grouped_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
                     x, w, s, o)
                 paths["reduce"] = lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
                     x, w, s, o, reduce_in_kernel=True)
+                paths["slots"] = lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
+                    x, w, s, o, routed_slots_in_kernel=True)
             touched = int((counts > 0).sum())
             rows.append(cell(f"experts {name}", m, touched * n * k + m * (k + n) * 2, paths,
                              device, copy_rate) | {"experts_touched": touched})
@@ -139,7 +143,7 @@ def cell(name, m, nbytes, paths, device, copy_rate) -> dict:
             us = float("nan")
         row[f"{label}_us"] = us
         row[f"{label}_share"] = row["floor_us"] / us
-    for label in ("triton", "quant", "reduce"):
+    for label in ("triton", "quant", "reduce", "slots"):
         if f"{label}_us" in row:
             row[f"torch_over_{label}"] = row["torch_us"] / row[f"{label}_us"]
     print(format_table([row]), flush=True)
@@ -181,25 +185,28 @@ def sweep_rows(rows, device, copy_rate, ms, smoke, save) -> None:
 
 #: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel, the
 #: elementwise-tail kernels of models/norm_triton.py, the FP8 kernel adding its K-slices
-#: itself: moe_triton.SPLITK_REDUCE_IN_KERNEL).
+#: itself: moe_triton.SPLITK_REDUCE_IN_KERNEL, its grid of routed experts only:
+#: moe_triton.ROUTED_SLOTS_ENABLED).
 ENGINE_PATHS = {"unfused": (False, False, False, False), "torch": (True, False, False, False),
                 "quant": (True, False, True, False), "triton": (True, True, False, False),
                 "defaults": (True, True, True, False), "tail": (True, True, True, True),
-                "reduce": (True, True, True, True, True)}
+                "reduce": (True, True, True, True, True),
+                "slots": (True, True, True, True, False, True),
+                "slots_reduce": (True, True, True, True, True, True)}
 
 
 @contextlib.contextmanager
 def switches(fuse: bool, gemm: bool, quant_kernel: bool, tail: bool = False,
-             reduce: bool = False):
+             reduce: bool = False, slots: bool = False):
     """The module switches of one variant, restored afterwards (read when an engine loads
     and when a kernel runs, so a CUDA graph captures what they say)."""
     from chunklocal.models import fused, moe_triton, norm_triton, quant_triton
 
     names = ((fused, "FUSE_PROJECTIONS"), (moe_triton, "FP8_ENABLED"),
              (quant_triton, "QUANT_ENABLED"), (norm_triton, "NORM_ENABLED"),
-             (moe_triton, "SPLITK_REDUCE_IN_KERNEL"))
+             (moe_triton, "SPLITK_REDUCE_IN_KERNEL"), (moe_triton, "ROUTED_SLOTS_ENABLED"))
     saved = [getattr(module, name) for module, name in names]
-    for (module, name), value in zip(names, (fuse, gemm, quant_kernel, tail, reduce),
+    for (module, name), value in zip(names, (fuse, gemm, quant_kernel, tail, reduce, slots),
                                      strict=True):
         setattr(module, name, value)
     try:

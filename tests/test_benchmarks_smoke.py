@@ -228,12 +228,13 @@ def test_fp8_small_m_engine_variants_set_and_restore_their_switches():
 
     def now():
         return (fused.FUSE_PROJECTIONS, moe_triton.FP8_ENABLED, quant_triton.QUANT_ENABLED,
-                norm_triton.NORM_ENABLED, moe_triton.SPLITK_REDUCE_IN_KERNEL)
+                norm_triton.NORM_ENABLED, moe_triton.SPLITK_REDUCE_IN_KERNEL,
+                moe_triton.ROUTED_SLOTS_ENABLED)
 
     before = now()
     for want in fp8_small_m.ENGINE_PATHS.values():
         with fp8_small_m.switches(*want):
-            assert now() == want + (False,) * (5 - len(want))
+            assert now() == want + (False,) * (6 - len(want))
         assert now() == before
 
 
