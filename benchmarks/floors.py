@@ -83,30 +83,24 @@ class RoutingCounter:
 class BalancedRouting:
     """Spread routing for benchmarks on dummy weights (issue 19: a random model's tokens
     collapse onto a few experts per layer, where a trained router spreads them): while
-    active, ``models.moe.route`` sends token ``t`` of the ``i``-th MoE call to experts
-    ``(t * top_k + j + i) mod E``, so a step of ``T`` tokens touches ``min(E, T * top_k)``
-    experts of every layer, and scores them with the router's own logits for those experts
-    (the router GEMM still runs).  Device-side and shape-static: graphs captured while it
-    is active replay it.  Enter it before the engine is built (graph capture)."""
+    active, ``models.moe.ROUTING_SIMULATION`` is "balanced" -- token ``t`` of the ``i``-th
+    MoE call goes to experts ``(t * top_k + j + i) mod E``, so a step of ``T`` tokens
+    touches ``min(E, T * top_k)`` experts of every layer, scored with the router's own
+    logits for those experts (the router GEMM still runs).  Device-side and shape-static:
+    graphs captured while it is active replay it.  Enter it before the engine is built
+    (graph capture).  A server's engine process takes the same strategy from
+    ``CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY=balanced`` (benchmarks/serve.py
+    ``--routing``)."""
 
     def __enter__(self):
         from chunklocal.models import moe
 
-        self._module, self._route, calls = moe, moe.route, [0]
-
-        def balanced(x, router, top_k):
-            logits = moe.router_logits(x, router)
-            num_experts = logits.shape[1]
-            calls[0] += 1
-            slots = torch.arange(x.shape[0] * top_k, device=x.device).view(-1, top_k)
-            expert = (slots + calls[0]) % num_experts
-            return expert, torch.sigmoid(logits.gather(1, expert).float()).to(x.dtype)
-
-        moe.route = balanced
+        self._module, self._saved = moe, moe.ROUTING_SIMULATION
+        moe.ROUTING_SIMULATION = "balanced"
         return self
 
     def __exit__(self, *exc):
-        self._module.route = self._route
+        self._module.ROUTING_SIMULATION = self._saved
 
 
 def routing(mode: str):

@@ -22,7 +22,13 @@ then runs the same requests through ``LLM.generate`` on the same engine flags: t
 the server's throughput is compared with.  ``--make-tiny DIR`` writes the tiny CPU
 checkpoint (random Llama-4 + byte-level BPE tokenizer with a chat template);
 ``--make-scout DIR`` writes benchmarks/engine.py's Scout-shaped random bf16 checkpoint (4
-layers, no tokenizer: texts are empty, tokens are counted) for the GPU.
+layers, no tokenizer: texts are empty, tokens are counted) for the GPU;
+``--make-scout-fp8 DIR`` full-size Scout FP8's config.json alone (benchmarks/decode_floor.py's
+model: serve it with ``--load-format dummy``).  ``--routing balanced`` (or
+``uniform_random``) spreads the experts' tokens as a trained router would, where dummy and
+random weights send most tokens of a layer to one expert: it sets
+``CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY`` (models/moe.py) for the launched server and
+the offline floor.
 
 Every row -- the warm-up, each server level, each offline row -- sends prompts of its own
 (:func:`prompt_set`), so no row prefills from what an earlier row left in the prefix cache
@@ -36,6 +42,7 @@ prefill per request (BENCHMARKS.md).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import shlex
 import signal
@@ -50,6 +57,19 @@ from benchmarks.common import base_parser, format_table, write_json
 from benchmarks.serve_client import Connection
 
 _SERVE = "import sys; from chunklocal.cli import main; sys.exit(main())"
+
+
+#: ``--routing`` -> CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY (models/moe.py).
+ROUTING = {"model": "", "balanced": "balanced", "uniform_random": "uniform_random"}
+
+
+def use_routing(strategy: str) -> None:
+    """The routing strategy for the server this script launches (its environment) and for
+    the offline floor's engine in this process (set again where moe is already loaded)."""
+    os.environ["CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY"] = strategy
+    moe = sys.modules.get("chunklocal.models.moe")
+    if moe is not None:
+        moe.ROUTING_SIMULATION = strategy
 
 
 def free_port() -> int:
@@ -337,6 +357,12 @@ def main(argv=None) -> int:
                    help="write the Scout-shaped random checkpoint (GPU) to this directory first")
     p.add_argument("--scout-max-len", type=int, default=8192,
                    help="max_position_embeddings of --make-scout")
+    p.add_argument("--make-scout-fp8", type=Path, default=None,
+                   help="write full-size Scout FP8's config.json (no weights: serve it with "
+                   "--load-format dummy) to this directory first")
+    p.add_argument("--routing", choices=sorted(ROUTING), default="model",
+                   help="the experts' routing in the server and the offline floor: the "
+                   "weights' own (model) or a simulated spread (models/moe.py)")
     p.add_argument("--offline-floor", action="store_true",
                    help="after the levels, stop the launched server and run the same requests "
                    "offline on the same engine flags: all at once (LLM.generate), then per "
@@ -350,12 +376,21 @@ def main(argv=None) -> int:
     if args.smoke:
         # prompts of 2 cacheable blocks (16 tokens each): a prefix-cache hit would show
         args.clients, args.requests, args.prompt_tokens, args.max_tokens = [1, 4], 8, 40, 8
+    if args.routing != "model" and args.verify > 0:
+        p.error(f"--verify {args.verify} compares texts of two runs of a prompt, which "
+                f"--routing {args.routing} routes differently (each call moves the experts): "
+                "give --verify 0")
     if args.make_tiny is not None:
         make_tiny(args.make_tiny)
     if args.make_scout is not None:
         from benchmarks.engine import SCOUT, write_random_checkpoint
 
         write_random_checkpoint(args.make_scout, SCOUT, args.scout_max_len, "cuda")
+    if args.make_scout_fp8 is not None:
+        from benchmarks.decode_floor import write_config
+
+        write_config(args.make_scout_fp8, "scout-fp8")
+    use_routing(ROUTING[args.routing])
     proc = None
     if args.launch is not None:
         port = free_port()

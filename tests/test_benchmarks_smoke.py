@@ -306,16 +306,19 @@ def test_balanced_routing_spreads_every_call_and_restores_the_models_routing():
 
     router = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
-    original = moe.route
+    assert moe.ROUTING_SIMULATION == ""
     with BalancedRouting():
         first, score = moe.route(x, router, 2)
         second, _ = moe.route(x, router, 2)
-    assert moe.route is original
+    assert moe.ROUTING_SIMULATION == ""
     slots = torch.arange(12).view(6, 2)
-    assert torch.equal(first, (slots + 1) % 4) and torch.equal(second, (slots + 2) % 4)
+    shift = int(first[0, 0])  # the process's MoE calls so far, mod E
+    assert torch.equal(first, (slots + shift) % 4) and torch.equal(second, (first + 1) % 4)
     assert torch.allclose(score, torch.sigmoid((x @ router.T).gather(1, first)))
     with routing("model"):
-        assert moe.route is original
+        assert moe.ROUTING_SIMULATION == ""
+    top = torch.topk(x @ router.T, 2, dim=1).indices
+    assert torch.equal(moe.route(x, router, 2)[0], top)  # the weights' routing again
     with pytest.raises(ValueError, match="routing must be"):
         routing("uniform")
 
@@ -833,3 +836,29 @@ def test_activation_peak_finds_the_live_set_at_the_peak():
     assert [(s["site"], s["blocks"]) for s in sites] == [
         ("chunklocal/models/moe.py:40 experts", 2), ("elsewhere", 1)]
     assert sites[0]["gib"] * (1 << 30) == 130
+
+
+def test_serve_routing_sets_the_servers_strategy_and_refuses_verify(tmp_path, monkeypatch,
+                                                                     capsys):
+    """benchmarks/serve.py --routing: refused beside --verify (simulated routing moves the
+    experts per call, so two runs of a prompt differ); otherwise the strategy is in the
+    environment a launched server inherits, and --make-scout-fp8 writes full-size Scout
+    FP8's config (dummy weights)."""
+    import json
+    import os
+
+    from benchmarks import serve
+    from chunklocal.models import moe
+
+    with pytest.raises(SystemExit):
+        serve.main(["--routing", "balanced", "--url", "http://127.0.0.1:9"])
+    assert "give --verify 0" in capsys.readouterr().err
+    monkeypatch.setenv("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY", "")
+    monkeypatch.setattr(moe, "ROUTING_SIMULATION", "")
+    monkeypatch.setattr(serve, "_run", lambda *a: 0)  # no server to talk to
+    assert serve.main(["--routing", "uniform_random", "--verify", "0", "--url", "http://x",
+                       "--make-scout-fp8", str(tmp_path / "fp8")]) == 0
+    assert os.environ["CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY"] == "uniform_random"
+    assert moe.ROUTING_SIMULATION == "uniform_random"
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert config["text_config"]["num_hidden_layers"] == 48 and config["quantization_config"]

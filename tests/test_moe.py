@@ -273,3 +273,38 @@ def test_configure_slices_long_steps_by_default():
     assert ours.chunk_tokens == moe_module.MOE_CHUNK_TOKENS == 8192
     moe_module.configure(wrapper, chunk_tokens=0)
     assert ours.chunk_tokens == 0
+
+
+def test_routing_simulation_strategies(monkeypatch):
+    """CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY: "uniform_random" draws every pair's
+    expert in range and spreads a long step over all experts; "balanced" rotates by one
+    expert per call; both score by the router's logits at the chosen experts; "" is top-k."""
+    gen = torch.Generator().manual_seed(4)
+    router, x = torch.randn(16, 8, generator=gen), torch.randn(512, 8, generator=gen)
+    logits = x @ router.T
+    monkeypatch.setattr(moe_module, "ROUTING_SIMULATION", "uniform_random")
+    torch.manual_seed(0)
+    expert, score = moe_module.route(x, router, 2)
+    assert expert.shape == (512, 2) and expert.dtype == torch.int64
+    assert int(expert.min()) >= 0 and int(expert.max()) < 16
+    assert torch.unique(expert).numel() == 16  # 1,024 draws: every expert (1 - 1e-28)
+    assert torch.equal(score, torch.sigmoid(logits.gather(1, expert)))
+    monkeypatch.setattr(moe_module, "ROUTING_SIMULATION", "balanced")
+    first, _ = moe_module.route(x[:3], router, 1)
+    second, _ = moe_module.route(x[:3], router, 1)
+    assert torch.equal(second, (first + 1) % 16)
+    assert torch.equal(first[:, 0], (torch.arange(3) + first[0, 0]) % 16)
+    monkeypatch.setattr(moe_module, "ROUTING_SIMULATION", "")
+    assert torch.equal(moe_module.route(x, router, 2)[0], torch.topk(logits, 2, dim=1).indices)
+
+
+def test_routing_simulation_names_a_bad_value():
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY": "uniform"}
+    run = subprocess.run([sys.executable, "-c", "import chunklocal.models.moe"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "ValueError: CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY must be one of" in run.stderr
+    assert "'uniform_random'" in run.stderr and "got 'uniform'" in run.stderr

@@ -53,6 +53,25 @@ TRITON_PAIRS_PER_EXPERT = 16  # steps up to this many (token, expert) pairs per 
 #: serving default are sliced, at no cost.  0: never.  ``CHUNKLOCAL_MOE_CHUNK_TOKENS``.
 MOE_CHUNK_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_CHUNK_TOKENS", "8192"))
 
+#: Simulated routing for runs on dummy weights, whose router sends most tokens of a layer to
+#: one or two experts where a trained router spreads them (issue 19), so a benchmark would
+#: read a fraction of the expert bytes real traffic reads.  vLLM's
+#: ``VLLM_MOE_ROUTING_SIMULATION_STRATEGY`` under our prefix
+#: (``CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY``), read at import, so an engine process
+#: started by ``chunklocal serve`` inherits it: "" routes by the weights; "uniform_random"
+#: draws each pair's expert uniformly (vLLM's strategy of that name); "balanced" sends pair
+#: ``j`` of token ``t`` in the ``i``-th MoE call of the process to expert ``(t * top_k + j +
+#: i) mod E``, so a step of ``T`` tokens touches ``min(E, T * top_k)`` experts of every
+#: layer (the floor benchmarks count).  Both score the chosen experts with the router's own
+#: logits (the router GEMM still runs) and stay on the device, so CUDA graphs capture them.
+ROUTING_SIMULATION_STRATEGIES = ("", "uniform_random", "balanced")
+ROUTING_SIMULATION = os.environ.get("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY", "")
+if ROUTING_SIMULATION not in ROUTING_SIMULATION_STRATEGIES:
+    raise ValueError("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY must be one of "
+                     f"{', '.join(map(repr, ROUTING_SIMULATION_STRATEGIES))}, got "
+                     f"{ROUTING_SIMULATION!r}")
+_SIMULATED_CALLS = [0]  # "balanced": MoE calls so far in this process (the rotation)
+
 
 def router_logits(x: torch.Tensor, router) -> torch.Tensor:
     """[T, E]: ``router`` is its weight [E, H], or the router module (an FP8 checkpoint's
@@ -61,10 +80,25 @@ def router_logits(x: torch.Tensor, router) -> torch.Tensor:
 
 
 def route(x: torch.Tensor, router, top_k: int):
-    """(expert ids [T, top_k] int64, scores [T, top_k] in x.dtype), as Llama4Router."""
+    """(expert ids [T, top_k] int64, scores [T, top_k] in x.dtype), as Llama4Router; or
+    the :data:`ROUTING_SIMULATION` strategy's experts, scored by their logits."""
     logits = router_logits(x, router)
+    if ROUTING_SIMULATION:
+        expert = simulated_experts(logits, top_k, ROUTING_SIMULATION)
+        return expert, torch.sigmoid(logits.gather(1, expert).float()).to(x.dtype)
     top_logit, expert = torch.topk(logits, top_k, dim=1)
     return expert, torch.sigmoid(top_logit.float()).to(x.dtype)
+
+
+def simulated_experts(logits: torch.Tensor, top_k: int, strategy: str) -> torch.Tensor:
+    """[T, top_k] int64 expert ids of a :data:`ROUTING_SIMULATION` strategy (made on the
+    device; the token count is the only shape)."""
+    tokens, num_experts = logits.shape
+    if strategy == "uniform_random":
+        return torch.randint(num_experts, (tokens, top_k), device=logits.device)
+    _SIMULATED_CALLS[0] += 1
+    pairs = torch.arange(tokens * top_k, device=logits.device).view(tokens, top_k)
+    return (pairs + _SIMULATED_CALLS[0]) % num_experts
 
 
 def sort_by_expert(expert: torch.Tensor, num_groups: int):
