@@ -18,6 +18,11 @@ bounded by ``--prompt``): "eager" runs the step's forward op by op,
 torch.profiler gives the device's busy and idle time per step in each mode.  Issue 20's
 target: idle at most 10% of the step.
 
+``--loop-prompts`` (8) adds rows of the same traffic through the engine's own loop
+(``LLM.generate``, async scheduling; :func:`loop_rows`): eager steps collected before the
+next is planned (the default) against overlapped (``CHUNKLOCAL_OVERLAP_EAGER=1``), eager
+and piecewise, with the device's idle share over the whole run.
+
     python -m benchmarks.mixed_step --out $OUT
     python -m benchmarks.mixed_step --smoke          # CPU: eager only, checks the logic
 """
@@ -93,6 +98,84 @@ def mixed_steps(llm, longs: LongPrompts, count: int, piecewise: bool,
         runner.piecewise = saved
 
 
+def loop_prompts(llm, args, seed: int):
+    """The engine-loop rows' requests: ``--decodes`` prompts of ``--context`` tokens that
+    decode until the long prompts are done, then ``--loop-prompts`` prompts of ``--prompt``
+    tokens (one new token each) that prefill ``--chunk`` tokens a step beside them.  Each
+    ``seed`` its own random prompts: the prefix cache (on by default) serves none of them."""
+    from chunklocal.engine.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    vocab = llm.config.vocab_size
+    # the decodes' own prefills take about decodes * context / chunk steps first
+    steps = -(-args.decodes * args.context // args.chunk) + args.loop_prompts * -(
+        -args.prompt // args.chunk)
+    prompts = [rng.integers(0, vocab, args.context).tolist() for _ in range(args.decodes)]
+    prompts += [rng.integers(0, vocab, args.prompt).tolist() for _ in range(args.loop_prompts)]
+    params = [SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)] * args.decodes
+    params += [SamplingParams(max_tokens=1, temperature=0.0)] * args.loop_prompts
+    return prompts, params
+
+
+def loop_rows(llm, args, modes, device) -> list[dict]:
+    """The same traffic through the engine's own loop (``LLM.generate``, async scheduling),
+    so the host's work for step n+1 may run while the device runs step n: with each eager
+    step collected before the next is planned (the default) and with eager steps overlapped
+    (the backends' ``overlaps_eager_steps``, ``CHUNKLOCAL_OVERLAP_EAGER=1``), each eagerly
+    and with piecewise graphs.  Wall time and steps of one generate; device busy / idle of
+    a second one under the profiler (idle share over the whole run: most of its steps carry
+    a prefill chunk beside decodes, ``mixed_steps`` counts them)."""
+    import time
+
+    runner = llm.runner
+    saved = runner.piecewise, [b.overlaps_eager_steps for b in runner.backends]
+    launches: list[tuple[bool, bool]] = []
+    real_launch = runner.launch
+
+    def counting(batch, prev=None):
+        launches.append((prev is not None, max(batch.num_new) > 1 and min(batch.num_new) == 1))
+        return real_launch(batch, prev)
+
+    runner.launch = counting
+    rows = []
+    try:
+        seeds = iter(range(1, 100))
+        prompts, params = loop_prompts(llm, args, next(seeds))
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up: the loop's first uses
+        for mode in modes:
+            for overlap in (False, True):
+                runner.piecewise = saved[0] if mode == "piecewise" else None
+                for backend in runner.backends:
+                    backend.overlaps_eager_steps = overlap
+                launches.clear()
+                prompts, params = loop_prompts(llm, args, next(seeds))
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                wall = time.perf_counter() - start
+                steps = len(launches)
+                row = {"model": args.model, "mode": f"loop, {mode}",
+                       "overlap_eager": overlap, "steps": steps,
+                       "mixed_steps": sum(m for _, m in launches),
+                       "launched_in_flight": sum(p for p, _ in launches),
+                       "step_ms": wall * 1e3 / max(steps, 1)}
+                prompts, params = loop_prompts(llm, args, next(seeds))
+                profile = floors.kernel_profile(
+                    lambda p=prompts, q=params: llm.generate(p, q, use_tqdm=False), 1, device)
+                busy, idle = (profile.get("device_busy_ms_per_step"),
+                              profile.get("device_idle_ms_per_step"))
+                if busy is not None and idle is not None:
+                    row.update(busy_ms=busy / steps, idle_ms=idle / steps,
+                               idle_share=idle / (busy + idle))
+                rows.append(row)
+                print(format_table([row]), flush=True)
+    finally:
+        runner.launch = real_launch
+        runner.piecewise = saved[0]
+        for backend, value in zip(runner.backends, saved[1], strict=True):
+            backend.overlaps_eager_steps = value
+    return rows
+
+
 def run(args, device) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         llm = make_engine(write_config(Path(tmp) / args.model, args.model), device, args)
@@ -123,6 +206,9 @@ def run(args, device) -> dict:
         rows.append(row)
     if llm.runner.piecewise is not None:
         rows[-1]["replays_by_bucket"] = dict(llm.runner.piecewise.replays)
+    if args.loop_prompts:
+        llm.scheduler.abort_all()
+        rows += loop_rows(llm, args, modes, device)
     llm.shutdown()
     return {"rows": rows, "step_tokens": sorted(tokens),
             "long_prompts": longs.next_id - args.decodes}
@@ -138,11 +224,13 @@ def main(argv=None) -> int:
                         help="tokens of each long prompt (it prefills --chunk a step)")
     parser.add_argument("--steps", type=int, default=5, help="steps per mode per block")
     parser.add_argument("--routing", choices=("balanced", "model"), default="balanced")
+    parser.add_argument("--loop-prompts", type=int, default=8,
+                        help="long prompts of the engine-loop rows (0: none; loop_rows)")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or 3
     if args.smoke:
         args.model, args.decodes, args.context, args.chunk, args.prompt = "smoke", 3, 40, 24, 72
-        args.steps, args.repeats = 2, 1
+        args.steps, args.repeats, args.loop_prompts = 2, 1, min(args.loop_prompts, 2)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     errors: list = []
     with floors.routing(args.routing):

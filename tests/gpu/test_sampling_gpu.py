@@ -134,3 +134,34 @@ def test_gpu_async_scheduling_same_outputs_and_overlaps(trained):
     assert got == [o.outputs[0].token_ids for o in sync.generate(prompts, params)]
     assert sum(launches) > 30
     assert all(g.num_free == g.num_blocks for g in overlapped.groups)
+
+
+def test_gpu_async_scheduling_overlaps_eager_mixed_steps(trained):
+    """CHUNKLOCAL_OVERLAP_EAGER's path (backends' ``overlaps_eager_steps``): eager steps
+    that prefill a chunk beside decodes are launched with the previous step in flight --
+    FlashInfer's plans staged in alternating wrappers, the inputs' copies queued behind
+    the last step -- and outputs equal the synchronous loop's, greedy and seeded."""
+    kwargs = dict(device="cuda", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)
+    sync = chunklocal.LLM(trained, async_scheduling=False, **kwargs)
+    overlapped = chunklocal.LLM(trained, async_scheduling=True, **kwargs)
+    for backend in overlapped.runner.backends:
+        backend.overlaps_eager_steps = True
+    assert overlapped.runner.overlaps_eager
+    mixed, real = [], overlapped.runner.launch
+
+    def counting(batch, prev=None):
+        mixed.append(prev is not None and max(batch.num_new) > 1 and min(batch.num_new) == 1)
+        return real(batch, prev)
+
+    overlapped.runner.launch = counting
+    # prompts of 20-300 tokens in 64-token steps: most steps carry a prefill chunk beside
+    # the decodes of the requests admitted before it
+    prompts = copy_prompts([20, 63, 64, 65, 130, 200, 257, 300], seed=2, vocab=128)
+    assert overlapped.generate(prompts, max_new_tokens=40, ignore_eos=True) == \
+        sync.generate(prompts, max_new_tokens=40, ignore_eos=True)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=40,
+                             ignore_eos=True) for i in range(8)]
+    got = [o.outputs[0].token_ids for o in overlapped.generate(prompts, params)]
+    assert got == [o.outputs[0].token_ids for o in sync.generate(prompts, params)]
+    assert sum(mixed) > 10, sum(mixed)
+    assert all(g.num_free == g.num_blocks for g in overlapped.groups)
