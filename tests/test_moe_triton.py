@@ -153,7 +153,7 @@ REDUCE_SCRIPT = textwrap.dedent("""
     e, n, k = 4, 40, 96  # N not a multiple of the 16-wide tiles: the last tile is masked
     w = (torch.randn(e, n, k, generator=gen) * 0.5).to(FP8)
     w_scale = torch.rand(e, n, generator=gen) + 0.5
-    m = 37  # expert 2: rows 5-36, two row tiles; expert 1 empty (its programs still count)
+    m = 37  # expert 2: rows 5-36, two row tiles; expert 1 empty (its programs take no ticket)
     x = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(FP8).float()
     x[:, 0] = 448.0  # exactly quantizable rows (see FP8_SCRIPT)
     ends = torch.tensor([5, 5, 37, 37], dtype=torch.int32)

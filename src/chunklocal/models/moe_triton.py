@@ -139,22 +139,26 @@ if triton is not None:
             out = part_ptr + split * stride_ps + rows[:, None].to(tl.int64) * stride_pm \
                 + cols[None, :]
             tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
-        if REDUCE:  # the last of this tile's K-slices to finish adds them, in slice order
-            tl.debug_barrier()  # every thread's partial stored before the ticket (release)
-            counter = count_ptr + slot * tl.num_programs(0) + pid_n
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == tl.num_programs(1) - 1:
-                for m0 in range(start, end, BLOCK_M):
-                    rows = m0 + tl.arange(0, BLOCK_M)
-                    ok = (rows < end)[:, None] & col_ok[None, :]
-                    src = part_ptr + rows[:, None].to(tl.int64) * stride_pm + cols[None, :]
-                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in range(0, tl.num_programs(1)):  # L2 (.cg): other SMs' stores
-                        total += tl.load(src + s * stride_ps, mask=ok, other=0.0,
-                                         cache_modifier=".cg")
-                    dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-                    tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=ok)
-                tl.store(counter, 0)  # ready for the next call on this stream
+        # the last of this tile's K-slices to finish adds them, in slice order; a tile
+        # with no rows (an expert or slot no row reached) has nothing to add and takes no
+        # ticket -- every program of the tile agrees, so its counter stays zero
+        if REDUCE:
+            if end > start:
+                tl.debug_barrier()  # every thread's partial stored before the ticket (release)
+                counter = count_ptr + slot * tl.num_programs(0) + pid_n
+                ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if ticket == tl.num_programs(1) - 1:
+                    for m0 in range(start, end, BLOCK_M):
+                        rows = m0 + tl.arange(0, BLOCK_M)
+                        ok = (rows < end)[:, None] & col_ok[None, :]
+                        src = part_ptr + rows[:, None].to(tl.int64) * stride_pm + cols[None, :]
+                        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                        for s in range(0, tl.num_programs(1)):  # L2 (.cg): other SMs' stores
+                            total += tl.load(src + s * stride_ps, mask=ok, other=0.0,
+                                             cache_modifier=".cg")
+                        dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+                        tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=ok)
+                    tl.store(counter, 0)  # ready for the next call on this stream
 
 
 #: Programs per SM that split-K aims for: each streams its own slab, so a step of one row
