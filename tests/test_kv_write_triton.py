@@ -47,6 +47,17 @@ SCRIPT = textwrap.dedent("""
         others[slots] = False
         assert not cache[others].any()  # nothing written outside the slots
     write_kv_fp8(kc, vc, slots[:0], k[:0], v[:0], 1.0, 1.0)  # an empty step: no launch
+    # the 16-bit cache's form: the rows as they are (no scale, no clamp), in their slots
+    from chunklocal.models import kv_write_triton
+    assert not kv_write_triton.KV_WRITE_16BIT_ENABLED  # off by default
+    assert not kv_write_triton.kv_write_16bit_available(k, v)
+    kv_write_triton.KV_WRITE_16BIT_ENABLED = True
+    assert kv_write_triton.kv_write_16bit_available(k, v)
+    kc.zero_(), vc.zero_()
+    kv_write_triton.write_kv(kc, vc, slots, k, v)
+    assert torch.equal(kc[slots], k) and torch.equal(vc[slots], v)
+    assert (kc[slots].abs() > 448.0).any()  # not clamped
+    assert not kc[others].any() and not vc[others].any()
     print("ok")
 """)
 
@@ -96,6 +107,32 @@ def test_attention_calls_the_kernel_with_each_cache_and_scale(ckpt, monkeypatch)
     monkeypatch.setattr(llama4, "kv_write_available", lambda k, v: True)
     monkeypatch.setattr(llama4, "write_kv_fp8", standin)
     llm = with_scales(chunklocal.LLM(ckpt, **kw))
+    assert llm.generate(prompts, max_new_tokens=12) == want
+    layers = len(llm.model.layers)
+    assert len(calls) >= layers and len(calls) % layers == 0
+
+
+def test_attention_calls_the_16bit_kernel_with_each_cache(ckpt, monkeypatch):
+    """A 16-bit cache with KV_WRITE_16BIT_ENABLED: Attention.attend hands write_kv the flat
+    caches, the slots, K and V in that order -- a stand-in with its contract
+    (``index_copy_`` per cache) gives the engine's own tokens -- every layer, every step."""
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=160,
+              num_kv_blocks=64, dtype=torch.float32, attention_backend="torch")
+    prompts = motif_prompts(3)
+    want = chunklocal.LLM(ckpt, **kw).generate(prompts, max_new_tokens=12)
+    calls = []
+
+    def standin(flat_k, flat_v, slots, k, v):
+        assert flat_k.dtype == flat_v.dtype == torch.float32
+        assert flat_k.is_contiguous() and flat_k.shape[1:] == k.shape[1:] == v.shape[1:]
+        assert slots.shape == (k.shape[0],) and not slots.dtype.is_floating_point
+        calls.append(k.shape[0])
+        flat_k.index_copy_(0, slots, k)
+        flat_v.index_copy_(0, slots, v)
+
+    monkeypatch.setattr(llama4, "kv_write_16bit_available", lambda k, v: True)
+    monkeypatch.setattr(llama4, "write_kv", standin)
+    llm = chunklocal.LLM(ckpt, **kw)
     assert llm.generate(prompts, max_new_tokens=12) == want
     layers = len(llm.model.layers)
     assert len(calls) >= layers and len(calls) % layers == 0

@@ -99,3 +99,53 @@ def test_engine_tokens_equal_with_the_kernel(copy_model, graphs, monkeypatch):
     got = chunklocal.LLM(copy_model, **kwargs).generate(prompts, max_new_tokens=24,
                                                         ignore_eos=True)
     assert calls and got == want
+
+
+@pytest.mark.parametrize("t", [1, 151, 8192])
+def test_the_16bit_kernel_gives_index_copys_pages(t, monkeypatch):
+    """KV_WRITE_16BIT_ENABLED (off by default): a bf16 cache receives exactly the rows
+    ``index_copy_`` stores, eagerly and replayed in a CUDA graph with new rows."""
+    monkeypatch.setattr(kv_write_triton, "KV_WRITE_16BIT_ENABLED", True)
+    k, v = kv_rows(t, seed=t + 3)
+    assert kv_write_triton.kv_write_16bit_available(k, v)
+    slots = torch.randperm(SLOTS, device="cuda")[:t]
+
+    def bf16_caches():
+        return [torch.zeros(SLOTS, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+                for _ in range(2)]
+
+    got, want = bf16_caches(), bf16_caches()
+    kv_write_triton.write_kv(*got, slots, k, v)
+    want[0].index_copy_(0, slots, k)
+    want[1].index_copy_(0, slots, v)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kv_write_triton.write_kv(*got, slots, k, v)
+    new_k, new_v = kv_rows(t, seed=t + 4)
+    k.copy_(new_k)
+    v.copy_(new_v)
+    slots.copy_(torch.randperm(SLOTS, device="cuda")[:t])
+    graph.replay()
+    assert torch.equal(got[0][slots], k) and torch.equal(got[1][slots], v)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_tokens_equal_with_the_16bit_kernel(copy_model, graphs, monkeypatch):
+    prompts = copy_prompts([20, 63, 64, 65, 130, 200, 257, 300], seed=6, vocab=128)
+    kwargs = dict(device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
+                  max_model_len=512, cuda_graphs=graphs)
+    want = chunklocal.LLM(copy_model, **kwargs).generate(prompts, max_new_tokens=24,
+                                                          ignore_eos=True)
+    monkeypatch.setattr(kv_write_triton, "KV_WRITE_16BIT_ENABLED", True)
+    calls = []
+    real = kv_write_triton.write_kv
+
+    def counted(*args):
+        calls.append(1)
+        real(*args)
+
+    monkeypatch.setattr("chunklocal.models.llama4.write_kv", counted)
+    got = chunklocal.LLM(copy_model, **kwargs).generate(prompts, max_new_tokens=24,
+                                                        ignore_eos=True)
+    assert calls and got == want

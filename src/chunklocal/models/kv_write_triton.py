@@ -1,4 +1,4 @@
-"""The FP8 KV write in one Triton kernel: K and V quantized and scattered into their pages.
+"""The KV write in one Triton kernel: K and V (FP8 pages: quantized) scattered into their pages.
 
 With an FP8 KV cache (``kv_cache_dtype="fp8"``) each layer's write path in torch is
 :func:`chunklocal.kv_quant.write_fp8` for K and for V: cast to float32, scale, clamp, cast to
@@ -39,6 +39,13 @@ if triton is not None:
 
 #: The switch, read at import (``CHUNKLOCAL_KV_WRITE_TRITON=0`` turns it off).
 KV_WRITE_ENABLED = os.environ.get("CHUNKLOCAL_KV_WRITE_TRITON", "1") == "1"
+#: The same kernel for a 16-bit cache (:func:`write_kv`: no scale, no clamp), in place of
+#: the two ``index_copy_`` a layer: at a full-size Scout FP8 8k prefill step torch's index
+#: kernels took 9.3 ms of 415 for the K/V writes and the MoE's unpermute, at about a tenth
+#: of the copy rate (BENCHMARKS.md, fourteenth session), and a decode step launches two a
+#: layer.  Written after that session's device time: off until an H200 run measures it
+#: (``CHUNKLOCAL_KV_WRITE_TRITON_16BIT=1``; tests/gpu/test_kv_write_gpu.py).
+KV_WRITE_16BIT_ENABLED = os.environ.get("CHUNKLOCAL_KV_WRITE_TRITON_16BIT", "0") == "1"
 MAX_ROW = 16384  # kv heads x head_dim of one token in one block (Scout: 8 x 128)
 
 
@@ -54,6 +61,11 @@ def kv_write_available(k: torch.Tensor, v: torch.Tensor) -> bool:
             and _rows_ok(k) and _rows_ok(v))
 
 
+def kv_write_16bit_available(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """:func:`write_kv` runs on ``k`` and ``v`` and is switched on."""
+    return KV_WRITE_16BIT_ENABLED and kv_write_available(k, v)
+
+
 def reciprocal_f32(scale: float) -> float:
     """``1 / scale`` as torch's CUDA division by a Python scalar computes it: in float32."""
     return float(np.float32(1.0) / np.float32(scale))
@@ -62,16 +74,18 @@ def reciprocal_f32(scale: float) -> float:
 if triton is not None:
     @triton.jit(do_not_specialize=["inv_k", "inv_v"])
     def _write_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, inv_k, inv_v, N,
-                         stride_k, stride_v, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+                         stride_k, stride_v, QUANT: tl.constexpr, LIMIT: tl.constexpr,
+                         BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         slot = tl.load(slots_ptr + row).to(tl.int64)
-        k = tl.load(k_ptr + row * stride_k + cols, mask=mask, other=0.0).to(tl.float32)
-        k = tl.minimum(tl.maximum(k * inv_k, -LIMIT), LIMIT)
+        k = tl.load(k_ptr + row * stride_k + cols, mask=mask, other=0.0)
+        v = tl.load(v_ptr + row * stride_v + cols, mask=mask, other=0.0)
+        if QUANT:  # FP8 pages: scaled and clamped in float32 (see the module docstring)
+            k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k, -LIMIT), LIMIT)
+            v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v, -LIMIT), LIMIT)
         tl.store(kc_ptr + slot * N + cols, k.to(kc_ptr.dtype.element_ty), mask=mask)
-        v = tl.load(v_ptr + row * stride_v + cols, mask=mask, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(v * inv_v, -LIMIT), LIMIT)
         tl.store(vc_ptr + slot * N + cols, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
@@ -84,11 +98,24 @@ def write_kv_fp8(flat_k: torch.Tensor, flat_v: torch.Tensor, slots: torch.Tensor
     [T, heads, head_dim] (:func:`kv_write_available`).  Clamping to +-448 is part of the
     kernel, so a float32 cache (the CPU test) receives exactly what is then cast.
     """
+    _launch(flat_k, flat_v, slots, k, v, (reciprocal_f32(k_scale), reciprocal_f32(v_scale)))
+
+
+def write_kv(flat_k: torch.Tensor, flat_v: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """``flat_k[slots] = k`` and ``flat_v[slots] = v`` (cast to the caches' dtype, as
+    ``index_copy_(0, slots, k.to(...))`` stores them) in one launch; the arguments as
+    :func:`write_kv_fp8`'s (:func:`kv_write_16bit_available`)."""
+    _launch(flat_k, flat_v, slots, k, v, None)
+
+
+def _launch(flat_k, flat_v, slots, k, v, inverse_scales: tuple[float, float] | None) -> None:
     rows, heads, head_dim = k.shape
     if rows == 0:
         return
     n = heads * head_dim
     assert flat_k.is_contiguous() and flat_v.is_contiguous() and flat_k[0].numel() == n
-    _write_kv_kernel[(rows,)](k, v, slots, flat_k, flat_v, reciprocal_f32(k_scale),
-                              reciprocal_f32(v_scale), n, k.stride(0), v.stride(0),
-                              LIMIT=FP8_MAX, BLOCK=triton.next_power_of_2(n))
+    inv_k, inv_v = inverse_scales or (1.0, 1.0)
+    _write_kv_kernel[(rows,)](k, v, slots, flat_k, flat_v, inv_k, inv_v, n, k.stride(0),
+                              v.stride(0), QUANT=inverse_scales is not None, LIMIT=FP8_MAX,
+                              BLOCK=triton.next_power_of_2(n))

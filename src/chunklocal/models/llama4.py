@@ -21,7 +21,12 @@ from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.kv_quant import calibrated_scales, is_fp8, write_fp8
 from chunklocal.kv_spec import softmax_scale
 from chunklocal.models.fused import GatedMLPBase, fuse_into
-from chunklocal.models.kv_write_triton import kv_write_available, write_kv_fp8
+from chunklocal.models.kv_write_triton import (
+    kv_write_16bit_available,
+    kv_write_available,
+    write_kv,
+    write_kv_fp8,
+)
 from chunklocal.models.llama4_config import (  # noqa: F401  (load_text_config: re-exported)
     activation,
     layer_kind,
@@ -188,8 +193,11 @@ class Attention(nn.Module):
                                        kind=step.kind, k_scale=self.k_scale,
                                        v_scale=self.v_scale)
         else:
-            flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
-            flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
+            if kv_write_16bit_available(k, v):  # one launch for both (the switch is checked)
+                write_kv(flat_k, flat_v, step.slot_mapping, k, v)
+            else:
+                flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
+                flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
             out = step.backend.forward(step.metadata, q, k_cache, v_cache, self.scale,
                                        kind=step.kind)
         return out
