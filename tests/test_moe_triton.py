@@ -62,7 +62,7 @@ def run_in_interpreter(script: str) -> None:
                PYTHONPATH=os.pathsep.join([str(tests), *sys.path]))
     for switch in ("CHUNKLOCAL_FP8_TRITON", "CHUNKLOCAL_FP8_QUANT_TRITON",
                    "CHUNKLOCAL_NORM_TRITON", "CHUNKLOCAL_FP8_SPLITK_REDUCE",
-                   "CHUNKLOCAL_FP8_ROUTED_SLOTS"):
+                   "CHUNKLOCAL_FP8_ROUTED_SLOTS", "CHUNKLOCAL_MOE_GATHER_QUANT"):
         env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
@@ -229,6 +229,69 @@ def test_fp8_kernel_launches_only_routed_experts():
     serving the j-th expert with rows, the last expert included, with and without the
     in-kernel sum; a step where no expert has rows leaves the counters zeroed."""
     run_in_interpreter(FEW_ROWS_SCRIPT)
+
+
+GATHER_QUANT_SCRIPT = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from test_moe import hf_moe, ours_from
+    from chunklocal.models import moe as moe_mod, quant_triton
+    from chunklocal.models.quant import FP8, QuantRows
+
+    gen = torch.Generator().manual_seed(7)
+    # the kernel: gathered, scaled rows quantize to the bits of torch's product's (repeats,
+    # an unused row, a row whose scaled amax the cap of 1.5 cuts)
+    x = torch.randn(9, 100, generator=gen) * 3
+    rows = torch.tensor([4, 0, 0, 8, 2, 7])
+    rs = torch.rand(6, generator=gen) + 0.25
+    for ub in (None, 1.5):
+        q, s = quant_triton.quantize_rows(x, ub, rows, rs)
+        wq, ws = quant_triton.quantize_rows(x[rows] * rs[:, None], ub)
+        assert q.shape == (6, 100) and s.shape == (6, 1)
+        assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
+    for bad in ((rows, None), (rows, rs[:5]), (rows.view(2, 3), rs.view(2, 3))):
+        try:
+            quant_triton.quantize_rows(x, None, *bad)
+        except ValueError as err:
+            assert "rows" in str(err)
+        else:
+            raise AssertionError(f"no refusal of rows {bad}")
+
+    # the MoE layer with FP8 experts: the same output with the switch on as off, on the
+    # Triton kernel's steps and on quant.fp8_grouped_mm's, and the fused call is made
+    moe = ours_from(hf_moe(16, 1, seed=3))
+    ex = moe.experts
+    for name in ("w13", "w2"):
+        w = getattr(ex, name).data
+        scale = w.abs().amax(-1).clamp(min=1e-6) / 448.0
+        setattr(ex, name, nn.Parameter((w / scale[..., None]).to(FP8), requires_grad=False))
+        setattr(ex, name + "_scale", scale.float())
+    assert not moe_mod.GATHER_QUANT  # off by default (=1 turns it on)
+    calls, real = [], quant_triton.quantize_rows
+    def counting(*a, **kw):
+        calls.append(len(a) > 2 or "rows" in kw)
+        return real(*a, **kw)
+    moe_mod.quantize_rows = counting
+    x = torch.randn(40, 16, generator=gen)
+    for limit in (0, 10**6):  # torch's grouped GEMM path, then the split-K kernel's
+        moe.triton_max_pairs = limit
+        with torch.no_grad():
+            moe_mod.GATHER_QUANT = False
+            want = moe(x)
+            moe_mod.GATHER_QUANT = True
+            calls.clear()
+            got = moe(x)
+        assert calls == [True], calls
+        assert torch.equal(got, want), (limit, (got - want).abs().max())
+    print("ok")
+""")
+
+
+def test_moe_gathers_scales_and_quantizes_its_rows_in_one_kernel():
+    """moe.GATHER_QUANT (off by default): quantize_rows with ``rows`` / ``row_scale`` gives
+    the bits of quantizing torch's ``x[rows] * row_scale``, refuses mismatched ones naming
+    them, and an FP8 MoE layer's output is bit for bit the same with it on as off."""
+    run_in_interpreter(GATHER_QUANT_SCRIPT)
 
 
 QUANT_SCRIPT = textwrap.dedent("""

@@ -285,6 +285,30 @@ def test_fp8_tokens_match_the_fake_quant_oracle_on_a_trained_model(trained, tmp_
     check_report(report)
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@torch.inference_mode()
+def test_fp8_tokens_equal_with_the_moe_gather_quant_kernel(trained, tmp_path, graphs,
+                                                           monkeypatch):
+    """moe.GATHER_QUANT (off by default): the routed tokens gathered, scaled and quantized
+    by one kernel give the tokens of the separate gather, product and quantization, on
+    decode steps (the split-K kernel) and prefill steps (torch's grouped GEMM)."""
+    from chunklocal.models import moe, quant_triton
+
+    hf, text = trained
+    path, _ = fp8_checkpoint(hf, text, tmp_path, "fbgemm_fp8")
+    prompts = copy_prompts(LENGTHS, seed=3, vocab=128)
+    kwargs = dict(device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
+                  max_model_len=512, cuda_graphs=graphs)
+    want = chunklocal.LLM(path, **kwargs).generate(prompts, max_new_tokens=NEW,
+                                                   ignore_eos=True)
+    monkeypatch.setattr(moe, "GATHER_QUANT", True)
+    calls, real = [], quant_triton.quantize_rows
+    monkeypatch.setattr(moe, "quantize_rows", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = chunklocal.LLM(path, **kwargs).generate(prompts, max_new_tokens=NEW,
+                                                  ignore_eos=True)
+    assert calls and got == want
+
+
 def check_report(report) -> None:
     """The same tokens as the oracle, free-running (the issue's bar: every choice of this
     model is clear, so rounding has nothing to flip), and teacher-forced position by

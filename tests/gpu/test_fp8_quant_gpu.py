@@ -65,3 +65,17 @@ def test_fp8_linear_gives_the_same_output_through_the_kernel(monkeypatch):
     want = fp8_linear(x, w, w_scale)
     monkeypatch.setattr(quant_triton, "QUANT_ENABLED", True)
     assert torch.equal(fp8_linear(x, w, w_scale), want)
+
+
+@pytest.mark.parametrize("k", [100, 5120])
+@pytest.mark.parametrize("ub", [None, 2.0])
+def test_gathered_scaled_rows_give_the_products_bytes(k, ub):
+    """``quantize_rows(x, ub, rows, row_scale)`` (moe.GATHER_QUANT's kernel): the bytes and
+    scales of quantizing torch's bf16 ``x[rows] * row_scale`` (repeated and unused rows)."""
+    x = rows(33, k, seed=k + 7)
+    idx = torch.randint(0, 33, (50,), generator=torch.Generator().manual_seed(k),
+                        ).cuda()
+    scale = (torch.rand(50, generator=torch.Generator().manual_seed(1)) + 0.25).bfloat16()
+    scale = scale.cuda()
+    same_bits(quant_triton.quantize_rows(x, ub, idx, scale),
+              quant_triton.quantize_rows(x[idx] * scale[:, None], ub))

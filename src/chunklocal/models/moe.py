@@ -34,6 +34,8 @@ from torch import nn
 
 from chunklocal.models.fused import GatedMLPBase, gated_act
 from chunklocal.models.parallel import SINGLE, ShardRule, TPGroup, column_parallel, row_parallel
+from chunklocal.models.quant import QuantRows
+from chunklocal.models.quant_triton import quant_available, quantize_rows
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -64,6 +66,15 @@ MOE_CHUNK_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_CHUNK_TOKENS", "8192"))
 #: i) mod E``, so a step of ``T`` tokens touches ``min(E, T * top_k)`` experts of every
 #: layer (the floor benchmarks count).  Both score the chosen experts with the router's own
 #: logits (the router GEMM still runs) and stay on the device, so CUDA graphs capture them.
+#: FP8 experts: one kernel gathers the routed tokens, scales them by their scores and
+#: quantizes them for the first expert GEMM (``quant_triton.quantize_rows`` with ``rows``),
+#: where torch gathered, multiplied and then the quantizer read the product: at a full-size
+#: Scout FP8 8k prefill step the gather and the product took about 7.5 ms of 415, and a
+#: decode step launches two kernels a layer for them (BENCHMARKS.md, fourteenth session).
+#: The same bits either way.  Written after that session's device time: off until an H200
+#: run measures it (``CHUNKLOCAL_MOE_GATHER_QUANT=1``; tests/gpu/test_fp8_quant_gpu.py).
+GATHER_QUANT = os.environ.get("CHUNKLOCAL_MOE_GATHER_QUANT", "0") == "1"
+
 ROUTING_SIMULATION_STRATEGIES = ("", "uniform_random", "balanced")
 ROUTING_SIMULATION = os.environ.get("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY", "")
 if ROUTING_SIMULATION not in ROUTING_SIMULATION_STRATEGIES:
@@ -123,7 +134,13 @@ def sort_by_expert(expert: torch.Tensor, num_groups: int):
     return order, offs
 
 
-def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+def gather_quant_available(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The MoE layer's first expert GEMM takes its rows gathered, scaled and quantized by
+    one kernel (:data:`GATHER_QUANT`): FP8 weights, and quant_triton's kernel runs on ``x``."""
+    return GATHER_QUANT and w.dtype in FP8_DTYPES and quant_available(x)
+
+
+def expert_mm(x: torch.Tensor | QuantRows, w: torch.Tensor, offs: torch.Tensor,
               w_scale: torch.Tensor | None = None, small_m: bool = False,
               act_scale_ub: float | None = None, amax_reduce=None) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e].T`` (``w [E, N, K]``) -> [M, N].
@@ -353,10 +370,14 @@ class MoE(nn.Module):
         # activation and the product are one tensor (gated_act): the memory profile reserves
         # this block's peak for good (engine/memory.py), and on full-size Scout FP8 the
         # gate/up product held on through the shared expert (benchmarks/activation_peak.py).
-        rows = x[token] * score.reshape(-1, 1)[order]  # Llama-4 scales the input
         w13, w2 = ex.w13[:num_groups], ex.w2[:num_groups]
-        small = rows.shape[0] <= self.triton_max_pairs
+        small = order.shape[0] <= self.triton_max_pairs
         ub = getattr(ex, "act_scale_ub", None)
+        pair_score = score.reshape(-1)[order]  # Llama-4 scales the input
+        if gather_quant_available(x, w13):
+            rows = QuantRows(*quantize_rows(x, ub, token, pair_score), x.dtype)
+        else:
+            rows = x[token] * pair_score.view(-1, 1)
         gate_up = expert_mm(rows, w13, offs, ex.w13_scale, small, ub)
         del rows
         inner = gated_act(gate_up, self.act)

@@ -28,6 +28,7 @@ import os
 import torch
 
 from chunklocal._validate import cdiv
+from chunklocal.models.quant import QuantRows
 from chunklocal.models.quant_triton import available, quantize_rows, triton
 
 if triton is not None:
@@ -48,8 +49,11 @@ FP8_ENABLED = os.environ.get("CHUNKLOCAL_FP8_TRITON", "1") == "1"
 FP8_BLOCK_M = 16
 
 
-def fp8_available(x: torch.Tensor) -> bool:
-    """:func:`fp8_grouped_mm_small` runs on ``x`` and is switched on."""
+def fp8_available(x: torch.Tensor | QuantRows) -> bool:
+    """:func:`fp8_grouped_mm_small` runs on ``x`` and is switched on (rows that come
+    quantized were made by quant_triton's kernel, so Triton runs where they are)."""
+    if isinstance(x, QuantRows):
+        return FP8_ENABLED and triton is not None
     return FP8_ENABLED and available(x)
 
 
@@ -231,7 +235,7 @@ def tile_counters(device: torch.device, needed: int) -> torch.Tensor:
     return counters
 
 
-def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tensor,
                          offs: torch.Tensor | None, scale_ub: float | None = None, *,
                          block_n: int = 64, block_k: int = 256, split_k: int | None = None,
                          num_warps: int = 4, reduce_in_kernel: bool | None = None,
@@ -249,30 +253,36 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     one sum over the slices adds up (or the kernel's last program of each tile,
     :data:`SPLITK_REDUCE_IN_KERNEL`; ``reduce_in_kernel`` overrides it).  Tiles of
     ``FP8_BLOCK_M`` rows (mma.sync: float32 partial sums); ``split_k`` None:
-    :func:`split_k_for`."""
+    :func:`split_k_for`.  ``x`` may come quantized (:class:`quant.QuantRows`: the first
+    step done already, ``scale_ub`` with it)."""
     if triton is None:
         raise RuntimeError("fp8_grouped_mm_small needs Triton")
-    num_rows, k_dim = x.shape
+    if isinstance(x, QuantRows):
+        xq, x_scale, dtype = x
+    else:
+        if x.stride(1) != 1:
+            raise ValueError("fp8_grouped_mm_small needs x contiguous along K")
+        (xq, x_scale), dtype = quantize_rows(x, scale_ub), x.dtype
+    num_rows, k_dim = xq.shape
     num_experts, n_dim, _ = w.shape
-    if x.stride(1) != 1 or w.stride(2) != 1 or w_scale.stride(1) != 1:
+    if xq.stride(1) != 1 or w.stride(2) != 1 or w_scale.stride(1) != 1:
         raise ValueError("fp8_grouped_mm_small needs x, w and w_scale contiguous along K / N")
     if offs is None and num_experts != 1:
         raise ValueError(f"offs=None means one group, got {num_experts} experts")
     if split_k is None:
         split_k = split_k_for(num_rows, num_experts, n_dim, k_dim, block_n, block_k,
-                              device_sm_count(x.device))
+                              device_sm_count(xq.device))
     k_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k  # whole K blocks
     split_k = triton.cdiv(k_dim, k_split)
-    xq, x_scale = quantize_rows(x, scale_ub)
-    part = torch.empty(split_k, num_rows, n_dim, dtype=torch.float32, device=x.device)
+    part = torch.empty(split_k, num_rows, n_dim, dtype=torch.float32, device=xq.device)
     reduce = SPLITK_REDUCE_IN_KERNEL if reduce_in_kernel is None else reduce_in_kernel
     compact = ROUTED_SLOTS_ENABLED if routed_slots_in_kernel is None else routed_slots_in_kernel
     slots = routed_slots(num_rows, num_experts) if compact else num_experts
     grid = (triton.cdiv(n_dim, block_n), split_k, slots)
-    out = torch.empty(num_rows, n_dim, dtype=x.dtype, device=x.device) if reduce else part
-    counters = tile_counters(x.device, grid[0] * grid[2]) if reduce else part
+    out = torch.empty(num_rows, n_dim, dtype=dtype, device=xq.device) if reduce else part
+    counters = tile_counters(xq.device, grid[0] * grid[2]) if reduce else part
     _fp8_splitk_kernel[grid](
-        xq, x_scale, w, w_scale, part, x if offs is None else offs, out, counters, n_dim,
+        xq, x_scale, w, w_scale, part, xq if offs is None else offs, out, counters, n_dim,
         k_dim, k_split, xq.stride(0), w.stride(0), w.stride(1), w_scale.stride(0),
         part.stride(0), part.stride(1), out.stride(0), num_rows, num_experts,
         HAS_OFFS=offs is not None, ROUTED_SLOTS=compact, REDUCE=reduce, BLOCK_M=FP8_BLOCK_M,
@@ -281,7 +291,7 @@ def fp8_grouped_mm_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     if reduce:
         return out
     out = part[0] if split_k == 1 else part.sum(0)
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 def fp8_linear_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

@@ -16,6 +16,7 @@ against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -31,6 +32,17 @@ AMAX_FLOOR = 1e-12       # an all-zero row quantizes to zeros instead of dividin
 # torch's path, and 50 us against 23-28 us at 64 rows (it re-streams the weights per
 # 16-row tile).
 SMALL_M_ROWS = 16
+
+
+class QuantRows(NamedTuple):
+    """Rows already quantized per token (:func:`quantize_per_token`'s pair) and the dtype
+    the GEMM returns them in.  The MoE layer hands its first expert GEMM these when one
+    kernel gathered, scaled and quantized the routed tokens (``quant_triton.quantize_rows``
+    with ``rows``; ``moe.GATHER_QUANT``); :func:`fp8_grouped_mm` and
+    ``moe_triton.fp8_grouped_mm_small`` take them for ``x``."""
+    q: torch.Tensor      # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype
 
 
 def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None, amax_reduce=None):
@@ -100,25 +112,30 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias=Non
     return out.to(x.dtype)
 
 
-def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
-                   *, act_scale_ub: float | None = None, amax_reduce=None) -> torch.Tensor:
+def fp8_grouped_mm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tensor,
+                   offs: torch.Tensor, *, act_scale_ub: float | None = None,
+                   amax_reduce=None) -> torch.Tensor:
     """Rows of x [M, K] sorted by expert; expert e owns rows ``offs[e-1]:offs[e]`` (int32
     cumulative end offsets, ``offs[-1] <= M``) and multiplies them by w[e] [N, K] (FP8,
     scales ``w_scale [E, N]``).  Returns [M, N] in ``x.dtype``; rows past ``offs[-1]`` are
-    unspecified on CUDA and zero elsewhere."""
-    x_fp8, scale = quantize_per_token(x, act_scale_ub, amax_reduce)
-    if x.is_cuda:
+    unspecified on CUDA and zero elsewhere.  ``x`` may come quantized (:class:`QuantRows`;
+    ``act_scale_ub`` and ``amax_reduce`` were then the quantizer's to apply)."""
+    if isinstance(x, QuantRows):
+        x_fp8, scale, dtype = x
+    else:
+        (x_fp8, scale), dtype = quantize_per_token(x, act_scale_ub, amax_reduce), x.dtype
+    if x_fp8.is_cuda:
         out = torch._scaled_grouped_mm(x_fp8, w.transpose(-2, -1), scale.view(-1),
                                        w_scale.float(), offs=offs, out_dtype=torch.bfloat16)
-        return out.to(x.dtype)
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32)
+        return out.to(dtype)
+    out = torch.zeros(x_fp8.shape[0], w.shape[1], dtype=torch.float32)
     x_deq = x_fp8.float() * scale
     start = 0
     for e, end in enumerate(offs.tolist()):  # CPU only: the offsets already live on the host
         if end > start:
             out[start:end] = x_deq[start:end] @ dequantize(w[e], w_scale[e]).t()
         start = end
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 class Fp8Linear(nn.Module):

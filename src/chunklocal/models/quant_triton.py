@@ -53,16 +53,30 @@ def quant_available(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    @triton.jit
+    def _load_row(x_row, k, K, row_scale, GATHER: tl.constexpr):
+        xk = tl.load(x_row + k, mask=k < K, other=0.0)
+        if GATHER:  # torch's ``x[rows] * row_scale``: the product rounded to x's dtype
+            xk = (xk.to(tl.float32) * row_scale).to(xk.dtype)
+        return xk.to(tl.float32)
+
     @triton.jit(do_not_specialize=["scale_ub"])
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, scale_ub, stride_xm, stride_qm,
-                              HAS_UB: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, rs_ptr, K, scale_ub, stride_xm,
+                              stride_qm, HAS_UB: tl.constexpr, GATHER: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
-        x_row = x_ptr + row * stride_xm
+        if GATHER:
+            src = tl.load(rows_ptr + row).to(tl.int64)
+            row_scale = tl.load(rs_ptr + row).to(tl.float32)
+        else:
+            src = row
+            row_scale = 1.0
+        x_row = x_ptr + src * stride_xm
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
-            xk = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            xk = _load_row(x_row, k, K, row_scale, GATHER)
             amax = tl.maximum(amax, tl.abs(xk))
         top = tl.max(amax, axis=0)
         if HAS_UB:
@@ -72,27 +86,42 @@ if triton is not None:
         scale = tl.math.div_rn(tl.maximum(zero + top, 1e-12), zero + 448.0)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
-            xk = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            xk = _load_row(x_row, k, K, row_scale, GATHER)
             xq = tl.minimum(tl.maximum(tl.math.div_rn(xk, scale), -448.0), 448.0)
             tl.store(q_ptr + row * stride_qm + k, xq.to(tl.float8e4nv), mask=k < K)
         tl.store(s_ptr + row + ks, scale, mask=ks == 0)
 
 
-def quantize_rows(x: torch.Tensor, scale_ub: float | None = None
+def quantize_rows(x: torch.Tensor, scale_ub: float | None = None, rows: torch.Tensor | None
+                  = None, row_scale: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quant.quantize_per_token(x, scale_ub)`` in one kernel: ``x [M, K]`` (last dim
-    contiguous) -> (``[M, K]`` float8_e4m3fn, ``[M, 1]`` float32 scales)."""
+    contiguous) -> (``[M, K]`` float8_e4m3fn, ``[M, 1]`` float32 scales).
+
+    With ``rows`` [R] (int) and ``row_scale`` [R] (x's dtype) it quantizes ``x[rows] *
+    row_scale[:, None]`` -> ``[R, K]`` without making that product: the same bits as
+    quantizing the product torch computes (each element rounded to x's dtype), one read
+    of each routed token where the MoE layer's gather and scaling took two more passes."""
     if triton is None:
         raise RuntimeError("quantize_rows needs Triton")
+    if (rows is None) != (row_scale is None):
+        raise ValueError("quantize_rows: rows and row_scale go together")
     num_rows, k_dim = x.shape
+    if rows is not None:
+        if rows.dim() != 1 or row_scale.shape != rows.shape:
+            raise ValueError(f"quantize_rows: rows {tuple(rows.shape)} and row_scale "
+                             f"{tuple(row_scale.shape)} must be one value per row")
+        num_rows = rows.shape[0]
     if x.stride(1) != 1:
         raise ValueError("quantize_rows needs rows contiguous along K")
     q = torch.empty(num_rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     if num_rows:
         block_k = min(triton.next_power_of_2(k_dim), MAX_BLOCK_K)
+        gather = rows is not None
         _quantize_rows_kernel[(num_rows,)](
-            x, q, scale, k_dim, 0.0 if scale_ub is None else float(scale_ub), x.stride(0),
-            q.stride(0), HAS_UB=scale_ub is not None, BLOCK_K=block_k,
+            x, q, scale, rows if gather else x, row_scale if gather else x, k_dim,
+            0.0 if scale_ub is None else float(scale_ub), x.stride(0), q.stride(0),
+            HAS_UB=scale_ub is not None, GATHER=gather, BLOCK_K=block_k,
             num_warps=4 if block_k <= 1024 else 8)
     return q, scale
