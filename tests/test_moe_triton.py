@@ -236,7 +236,7 @@ GATHER_QUANT_SCRIPT = textwrap.dedent("""
     from torch import nn
     from test_moe import hf_moe, ours_from
     from chunklocal.models import moe as moe_mod, quant_triton
-    from chunklocal.models.quant import FP8, QuantRows
+    from chunklocal.models.quant import FP8
 
     gen = torch.Generator().manual_seed(7)
     # the kernel: gathered, scaled rows quantize to the bits of torch's product's (repeats,

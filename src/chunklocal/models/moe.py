@@ -34,8 +34,7 @@ from torch import nn
 
 from chunklocal.models.fused import GatedMLPBase, gated_act
 from chunklocal.models.parallel import SINGLE, ShardRule, TPGroup, column_parallel, row_parallel
-from chunklocal.models.quant import QuantRows
-from chunklocal.models.quant_triton import quant_available, quantize_rows
+from chunklocal.models.quant_triton import QuantRows, quant_available, quantize_rows
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -172,6 +171,8 @@ def expert_mm(x: torch.Tensor | QuantRows, w: torch.Tensor, offs: torch.Tensor,
                               amax_reduce=amax_reduce)
     if w_scale is not None:
         raise ValueError(f"a weight scale was given for {w.dtype} expert weights")
+    if isinstance(x, QuantRows):
+        raise ValueError(f"quantized rows for {w.dtype} expert weights (FP8 weights only)")
     if small_m:
         import chunklocal.models.moe_triton as moe_triton
 
@@ -374,12 +375,13 @@ class MoE(nn.Module):
         small = order.shape[0] <= self.triton_max_pairs
         ub = getattr(ex, "act_scale_ub", None)
         pair_score = score.reshape(-1)[order]  # Llama-4 scales the input
+        routed_in: torch.Tensor | QuantRows
         if gather_quant_available(x, w13):
-            rows = QuantRows(*quantize_rows(x, ub, token, pair_score), x.dtype)
+            routed_in = QuantRows(*quantize_rows(x, ub, token, pair_score), x.dtype)
         else:
-            rows = x[token] * pair_score.view(-1, 1)
-        gate_up = expert_mm(rows, w13, offs, ex.w13_scale, small, ub)
-        del rows
+            routed_in = x[token] * pair_score.view(-1, 1)
+        gate_up = expert_mm(routed_in, w13, offs, ex.w13_scale, small, ub)
+        del routed_in
         inner = gated_act(gate_up, self.act)
         del gate_up
         # "tp": each rank holds a slice of every pair's w2 input (routing is the same on

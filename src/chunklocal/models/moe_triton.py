@@ -28,8 +28,7 @@ import os
 import torch
 
 from chunklocal._validate import cdiv
-from chunklocal.models.quant import QuantRows
-from chunklocal.models.quant_triton import available, quantize_rows, triton
+from chunklocal.models.quant_triton import QuantRows, available, quantize_rows, triton
 
 if triton is not None:
     import triton.language as tl
@@ -253,7 +252,7 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
     one sum over the slices adds up (or the kernel's last program of each tile,
     :data:`SPLITK_REDUCE_IN_KERNEL`; ``reduce_in_kernel`` overrides it).  Tiles of
     ``FP8_BLOCK_M`` rows (mma.sync: float32 partial sums); ``split_k`` None:
-    :func:`split_k_for`.  ``x`` may come quantized (:class:`quant.QuantRows`: the first
+    :func:`split_k_for`.  ``x`` may come quantized (:class:`quant_triton.QuantRows`: the first
     step done already, ``scale_ub`` with it)."""
     if triton is None:
         raise RuntimeError("fp8_grouped_mm_small needs Triton")

@@ -16,10 +16,11 @@ against.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from chunklocal.models.quant_triton import QuantRows
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0          # largest finite e4m3fn value
@@ -32,17 +33,6 @@ AMAX_FLOOR = 1e-12       # an all-zero row quantizes to zeros instead of dividin
 # torch's path, and 50 us against 23-28 us at 64 rows (it re-streams the weights per
 # 16-row tile).
 SMALL_M_ROWS = 16
-
-
-class QuantRows(NamedTuple):
-    """Rows already quantized per token (:func:`quantize_per_token`'s pair) and the dtype
-    the GEMM returns them in.  The MoE layer hands its first expert GEMM these when one
-    kernel gathered, scaled and quantized the routed tokens (``quant_triton.quantize_rows``
-    with ``rows``; ``moe.GATHER_QUANT``); :func:`fp8_grouped_mm` and
-    ``moe_triton.fp8_grouped_mm_small`` take them for ``x``."""
-    q: torch.Tensor      # [M, K] float8_e4m3fn
-    scale: torch.Tensor  # [M, 1] float32
-    dtype: torch.dtype
 
 
 def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None, amax_reduce=None):

@@ -20,6 +20,7 @@ cross-rank amax.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +29,17 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU install has no Triton; the kernels stay off there
     triton = None
+
+
+class QuantRows(NamedTuple):
+    """Rows already quantized per token (``quant.quantize_per_token``'s pair) and the dtype
+    the GEMM returns them in.  The MoE layer hands its first expert GEMM these when one
+    kernel gathered, scaled and quantized the routed tokens (:func:`quantize_rows` with
+    ``rows``; ``moe.GATHER_QUANT``); ``quant.fp8_grouped_mm`` and
+    ``moe_triton.fp8_grouped_mm_small`` take them for ``x``."""
+    q: torch.Tensor      # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype
 
 
 def available(x: torch.Tensor) -> bool:
@@ -104,10 +116,10 @@ def quantize_rows(x: torch.Tensor, scale_ub: float | None = None, rows: torch.Te
     of each routed token where the MoE layer's gather and scaling took two more passes."""
     if triton is None:
         raise RuntimeError("quantize_rows needs Triton")
-    if (rows is None) != (row_scale is None):
-        raise ValueError("quantize_rows: rows and row_scale go together")
     num_rows, k_dim = x.shape
-    if rows is not None:
+    if rows is not None or row_scale is not None:
+        if rows is None or row_scale is None:
+            raise ValueError("quantize_rows: rows and row_scale go together")
         if rows.dim() != 1 or row_scale.shape != rows.shape:
             raise ValueError(f"quantize_rows: rows {tuple(rows.shape)} and row_scale "
                              f"{tuple(row_scale.shape)} must be one value per row")
