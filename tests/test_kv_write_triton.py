@@ -130,6 +130,9 @@ def test_attention_calls_the_16bit_kernel_with_each_cache(ckpt, monkeypatch):
         flat_k.index_copy_(0, slots, k)
         flat_v.index_copy_(0, slots, v)
 
+    from chunklocal.models import kv_write_triton
+
+    monkeypatch.setattr(kv_write_triton, "KV_WRITE_16BIT_ENABLED", True)
     monkeypatch.setattr(llama4, "kv_write_16bit_available", lambda k, v: True)
     monkeypatch.setattr(llama4, "write_kv", standin)
     llm = chunklocal.LLM(ckpt, **kw)

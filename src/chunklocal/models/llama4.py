@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import chunklocal.models.kv_write_triton as kv_write_triton
 from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.kv_quant import calibrated_scales, is_fp8, write_fp8
 from chunklocal.kv_spec import softmax_scale
@@ -193,7 +194,8 @@ class Attention(nn.Module):
                                        kind=step.kind, k_scale=self.k_scale,
                                        v_scale=self.v_scale)
         else:
-            if kv_write_16bit_available(k, v):  # one launch for both (the switch is checked)
+            # the switch read first: with it off (the default) no call leaves this file
+            if kv_write_triton.KV_WRITE_16BIT_ENABLED and kv_write_16bit_available(k, v):
                 write_kv(flat_k, flat_v, step.slot_mapping, k, v)
             else:
                 flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))

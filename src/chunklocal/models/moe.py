@@ -53,6 +53,14 @@ TRITON_PAIRS_PER_EXPERT = 16  # steps up to this many (token, expert) pairs per 
 #: 8k / 32k prefill 3-5% slower (2048: 13-18%), so only steps past vLLM's 8192-token
 #: serving default are sliced, at no cost.  0: never.  ``CHUNKLOCAL_MOE_CHUNK_TOKENS``.
 MOE_CHUNK_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_CHUNK_TOKENS", "8192"))
+#: FP8 experts: one kernel gathers the routed tokens, scales them by their scores and
+#: quantizes them for the first expert GEMM (``quant_triton.quantize_rows`` with ``rows``),
+#: where torch gathered, multiplied and then the quantizer read the product: at a full-size
+#: Scout FP8 8k prefill step the gather and the product took about 7.5 ms of 415, and a
+#: decode step launches two kernels a layer for them (BENCHMARKS.md, fourteenth session).
+#: The same bits either way.  Written after that session's device time: off until an H200
+#: run measures it (``CHUNKLOCAL_MOE_GATHER_QUANT=1``; tests/gpu/test_fp8_quant_gpu.py).
+GATHER_QUANT = os.environ.get("CHUNKLOCAL_MOE_GATHER_QUANT", "0") == "1"
 
 #: Simulated routing for runs on dummy weights, whose router sends most tokens of a layer to
 #: one or two experts where a trained router spreads them (issue 19), so a benchmark would
@@ -65,15 +73,6 @@ MOE_CHUNK_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_CHUNK_TOKENS", "8192"))
 #: i) mod E``, so a step of ``T`` tokens touches ``min(E, T * top_k)`` experts of every
 #: layer (the floor benchmarks count).  Both score the chosen experts with the router's own
 #: logits (the router GEMM still runs) and stay on the device, so CUDA graphs capture them.
-#: FP8 experts: one kernel gathers the routed tokens, scales them by their scores and
-#: quantizes them for the first expert GEMM (``quant_triton.quantize_rows`` with ``rows``),
-#: where torch gathered, multiplied and then the quantizer read the product: at a full-size
-#: Scout FP8 8k prefill step the gather and the product took about 7.5 ms of 415, and a
-#: decode step launches two kernels a layer for them (BENCHMARKS.md, fourteenth session).
-#: The same bits either way.  Written after that session's device time: off until an H200
-#: run measures it (``CHUNKLOCAL_MOE_GATHER_QUANT=1``; tests/gpu/test_fp8_quant_gpu.py).
-GATHER_QUANT = os.environ.get("CHUNKLOCAL_MOE_GATHER_QUANT", "0") == "1"
-
 ROUTING_SIMULATION_STRATEGIES = ("", "uniform_random", "balanced")
 ROUTING_SIMULATION = os.environ.get("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY", "")
 if ROUTING_SIMULATION not in ROUTING_SIMULATION_STRATEGIES:

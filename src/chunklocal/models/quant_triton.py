@@ -65,13 +65,6 @@ def quant_available(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    @triton.jit
-    def _load_row(x_row, k, K, row_scale, GATHER: tl.constexpr):
-        xk = tl.load(x_row + k, mask=k < K, other=0.0)
-        if GATHER:  # torch's ``x[rows] * row_scale``: the product rounded to x's dtype
-            xk = (xk.to(tl.float32) * row_scale).to(xk.dtype)
-        return xk.to(tl.float32)
-
     @triton.jit(do_not_specialize=["scale_ub"])
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, rs_ptr, K, scale_ub, stride_xm,
                               stride_qm, HAS_UB: tl.constexpr, GATHER: tl.constexpr,
@@ -88,8 +81,10 @@ if triton is not None:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
-            xk = _load_row(x_row, k, K, row_scale, GATHER)
-            amax = tl.maximum(amax, tl.abs(xk))
+            xk = tl.load(x_row + k, mask=k < K, other=0.0)
+            if GATHER:  # torch's ``x[rows] * row_scale``: the product rounded to x's dtype
+                xk = (xk.to(tl.float32) * row_scale).to(xk.dtype)
+            amax = tl.maximum(amax, tl.abs(xk.to(tl.float32)))
         top = tl.max(amax, axis=0)
         if HAS_UB:
             top = tl.minimum(top, scale_ub)
@@ -98,7 +93,10 @@ if triton is not None:
         scale = tl.math.div_rn(tl.maximum(zero + top, 1e-12), zero + 448.0)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
-            xk = _load_row(x_row, k, K, row_scale, GATHER)
+            xk = tl.load(x_row + k, mask=k < K, other=0.0)
+            if GATHER:  # the same product as in the amax pass
+                xk = (xk.to(tl.float32) * row_scale).to(xk.dtype)
+            xk = xk.to(tl.float32)
             xq = tl.minimum(tl.maximum(tl.math.div_rn(xk, scale), -448.0), 448.0)
             tl.store(q_ptr + row * stride_qm + k, xq.to(tl.float8e4nv), mask=k < K)
         tl.store(s_ptr + row + ks, scale, mask=ks == 0)
