@@ -80,27 +80,6 @@ def test_replayed_in_a_cuda_graph_with_new_rows(monkeypatch):
         assert torch.equal(cache[slots].view(torch.uint8), ref[slots].view(torch.uint8))
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_tokens_equal_with_the_kernel(copy_model, graphs, monkeypatch):
-    prompts = copy_prompts([20, 63, 64, 65, 130, 200, 257, 300], seed=5, vocab=128)
-    kwargs = dict(device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
-                  max_model_len=512, cuda_graphs=graphs, kv_cache_dtype="fp8")
-    want = chunklocal.LLM(copy_model, **kwargs).generate(prompts, max_new_tokens=24,
-                                                          ignore_eos=True)
-    monkeypatch.setattr(kv_write_triton, "KV_WRITE_ENABLED", True)
-    calls = []
-    real = kv_write_triton.write_kv_fp8
-
-    def counted(*args):
-        calls.append(1)
-        real(*args)
-
-    monkeypatch.setattr("chunklocal.models.llama4.write_kv_fp8", counted)
-    got = chunklocal.LLM(copy_model, **kwargs).generate(prompts, max_new_tokens=24,
-                                                        ignore_eos=True)
-    assert calls and got == want
-
-
 @pytest.mark.parametrize("t", [1, 151, 8192])
 def test_the_16bit_kernel_gives_index_copys_pages(t, monkeypatch):
     """KV_WRITE_16BIT_ENABLED (off by default): a bf16 cache receives exactly the rows
@@ -131,21 +110,28 @@ def test_the_16bit_kernel_gives_index_copys_pages(t, monkeypatch):
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_tokens_equal_with_the_16bit_kernel(copy_model, graphs, monkeypatch):
-    prompts = copy_prompts([20, 63, 64, 65, 130, 200, 257, 300], seed=6, vocab=128)
+@pytest.mark.parametrize("kv_dtype,switch,writer", [
+    ("fp8", "KV_WRITE_ENABLED", "write_kv_fp8"),
+    ("auto", "KV_WRITE_16BIT_ENABLED", "write_kv")], ids=["fp8", "16bit"])
+def test_engine_tokens_equal_with_the_kernel(copy_model, graphs, kv_dtype, switch, writer,
+                                             monkeypatch):
+    """An engine's tokens with the kernel switched on equal its tokens with it off (FP8
+    pages: torch's quantized writes; 16-bit pages: ``index_copy_``), and it was called."""
+    prompts = copy_prompts([20, 63, 64, 65, 130, 200, 257, 300], seed=5, vocab=128)
     kwargs = dict(device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
-                  max_model_len=512, cuda_graphs=graphs)
+                  max_model_len=512, cuda_graphs=graphs, kv_cache_dtype=kv_dtype)
+    monkeypatch.setattr(kv_write_triton, switch, False)
     want = chunklocal.LLM(copy_model, **kwargs).generate(prompts, max_new_tokens=24,
                                                           ignore_eos=True)
-    monkeypatch.setattr(kv_write_triton, "KV_WRITE_16BIT_ENABLED", True)
+    monkeypatch.setattr(kv_write_triton, switch, True)
     calls = []
-    real = kv_write_triton.write_kv
+    real = getattr(kv_write_triton, writer)
 
     def counted(*args):
         calls.append(1)
         real(*args)
 
-    monkeypatch.setattr("chunklocal.models.llama4.write_kv", counted)
+    monkeypatch.setattr(f"chunklocal.models.llama4.{writer}", counted)
     got = chunklocal.LLM(copy_model, **kwargs).generate(prompts, max_new_tokens=24,
                                                         ignore_eos=True)
     assert calls and got == want

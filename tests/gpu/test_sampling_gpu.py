@@ -112,6 +112,16 @@ def test_gpu_seeded_generate_same_batch_twice_and_streams(tmp_path):
     assert seen[-1].metrics.time_to_first_token <= time.perf_counter() - start
 
 
+def same_outputs(overlapped, sync, prompts) -> None:
+    """Greedy and seeded sampled outputs of the overlapped engine equal the synchronous's."""
+    assert overlapped.generate(prompts, max_new_tokens=40, ignore_eos=True) == \
+        sync.generate(prompts, max_new_tokens=40, ignore_eos=True)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=40,
+                             ignore_eos=True) for i in range(len(prompts))]
+    got = [o.outputs[0].token_ids for o in overlapped.generate(prompts, params)]
+    assert got == [o.outputs[0].token_ids for o in sync.generate(prompts, params)]
+
+
 def test_gpu_async_scheduling_same_outputs_and_overlaps(trained):
     """async_scheduling on the GPU: CUDA-graph decode steps are launched with the previous
     step in flight, and outputs equal the synchronous loop's (greedy and seeded)."""
@@ -125,13 +135,8 @@ def test_gpu_async_scheduling_same_outputs_and_overlaps(trained):
         return real(batch, prev)
 
     overlapped.runner.launch = counting
-    prompts = copy_prompts([20, 63, 64, 65, 130, 200, 257, 300], seed=1, vocab=128)
-    assert overlapped.generate(prompts, max_new_tokens=40, ignore_eos=True) == \
-        sync.generate(prompts, max_new_tokens=40, ignore_eos=True)
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=40,
-                             ignore_eos=True) for i in range(8)]
-    got = [o.outputs[0].token_ids for o in overlapped.generate(prompts, params)]
-    assert got == [o.outputs[0].token_ids for o in sync.generate(prompts, params)]
+    same_outputs(overlapped, sync, copy_prompts([20, 63, 64, 65, 130, 200, 257, 300], seed=1,
+                                                vocab=128))
     assert sum(launches) > 30
     assert all(g.num_free == g.num_blocks for g in overlapped.groups)
 
@@ -156,12 +161,7 @@ def test_gpu_async_scheduling_overlaps_eager_mixed_steps(trained):
     overlapped.runner.launch = counting
     # prompts of 20-300 tokens in 64-token steps: most steps carry a prefill chunk beside
     # the decodes of the requests admitted before it
-    prompts = copy_prompts([20, 63, 64, 65, 130, 200, 257, 300], seed=2, vocab=128)
-    assert overlapped.generate(prompts, max_new_tokens=40, ignore_eos=True) == \
-        sync.generate(prompts, max_new_tokens=40, ignore_eos=True)
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=40,
-                             ignore_eos=True) for i in range(8)]
-    got = [o.outputs[0].token_ids for o in overlapped.generate(prompts, params)]
-    assert got == [o.outputs[0].token_ids for o in sync.generate(prompts, params)]
+    same_outputs(overlapped, sync, copy_prompts([20, 63, 64, 65, 130, 200, 257, 300], seed=2,
+                                                vocab=128))
     assert sum(mixed) > 10, sum(mixed)
     assert all(g.num_free == g.num_blocks for g in overlapped.groups)
