@@ -277,6 +277,7 @@ TRITON_KERNEL_CLASSES = {
     "_fp8_splitk_kernel": "FP8 GEMMs, Triton (experts and dense)",
     "_grouped_gemm_kernel": "expert GEMMs",
     "_quantize_rows_kernel": "quantization (amax)",
+    "_quantize_rows_load": "quantization (amax)",  # its jit helper, inlined (no launch)
     "_add_rms_norm_kernel": "norms, reductions",
     "_rope_norm_kernel": "norms, reductions",  # rope + QK norm
     "_write_kv_kernel": "KV writes",  # the FP8 KV write, quantization included

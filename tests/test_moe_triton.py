@@ -62,7 +62,8 @@ def run_in_interpreter(script: str) -> None:
                PYTHONPATH=os.pathsep.join([str(tests), *sys.path]))
     for switch in ("CHUNKLOCAL_FP8_TRITON", "CHUNKLOCAL_FP8_QUANT_TRITON",
                    "CHUNKLOCAL_NORM_TRITON", "CHUNKLOCAL_FP8_SPLITK_REDUCE",
-                   "CHUNKLOCAL_FP8_ROUTED_SLOTS", "CHUNKLOCAL_MOE_GATHER_QUANT"):
+                   "CHUNKLOCAL_FP8_ROUTED_SLOTS", "CHUNKLOCAL_MOE_GATHER_QUANT",
+                   "CHUNKLOCAL_MOE_SILU_QUANT"):
         env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
@@ -283,6 +284,42 @@ GATHER_QUANT_SCRIPT = textwrap.dedent("""
             got = moe(x)
         assert calls == [True], calls
         assert torch.equal(got, want), (limit, (got - want).abs().max())
+    moe_mod.GATHER_QUANT = False
+
+    # SILU_QUANT: silu(gate) * up quantized in the same kernel, against quantizing the
+    # product made in torch (float32 here: the interpreter's exp may differ by an ulp, and
+    # its e4m3 cast can drop a carry, so a few bytes may differ; the scales agree closely)
+    gate_up = torch.randn(12, 2 * 72, generator=gen) * 4
+    g, u = gate_up.chunk(2, dim=-1)
+    for ub in (None, 2.0):
+        q, s = quant_triton.silu_mul_quantize(gate_up, ub)
+        wq, ws = quant_triton.quantize_rows((g / (1 + torch.exp(-g)) * u).contiguous(), ub)
+        assert q.shape == (12, 72) and s.shape == (12, 1)
+        same = (q.view(torch.uint8) == wq.view(torch.uint8)).float().mean()
+        assert same >= 0.99, same
+        assert torch.allclose(s, ws, rtol=1e-6, atol=0)
+    try:
+        quant_triton.silu_mul_quantize(gate_up[:, :-1])
+    except ValueError as err:
+        assert "[M, 2I]" in str(err)
+    else:
+        raise AssertionError("an odd width was taken")
+    assert not moe_mod.SILU_QUANT  # off by default (=1 turns it on)
+    silu_calls, real_silu = [], quant_triton.silu_mul_quantize
+    moe_mod.silu_mul_quantize = lambda *a, **kw: silu_calls.append(1) or real_silu(*a, **kw)
+    for limit in (0, 10**6):
+        moe.triton_max_pairs = limit
+        with torch.no_grad():
+            moe_mod.SILU_QUANT = False
+            want = moe(x)
+            moe_mod.SILU_QUANT = True
+            silu_calls.clear()
+            got = moe(x)
+        assert silu_calls == [1], silu_calls
+        err = float((got - want).abs().max() / want.abs().max())
+        # torch's SiLU (x * sigmoid(x)) against the kernel's x / (1 + exp(-x)): float32
+        # ulps in the scales, no byte of this seed's rows flips (a flip: about 2**-5)
+        assert err < 2 ** -12, (limit, err)
     print("ok")
 """)
 
@@ -290,7 +327,9 @@ GATHER_QUANT_SCRIPT = textwrap.dedent("""
 def test_moe_gathers_scales_and_quantizes_its_rows_in_one_kernel():
     """moe.GATHER_QUANT (off by default): quantize_rows with ``rows`` / ``row_scale`` gives
     the bits of quantizing torch's ``x[rows] * row_scale``, refuses mismatched ones naming
-    them, and an FP8 MoE layer's output is bit for bit the same with it on as off."""
+    them, and an FP8 MoE layer's output is bit for bit the same with it on as off.
+    moe.SILU_QUANT (off): silu_mul_quantize against quantizing torch's product, and the
+    layer's output with it on within FP8's step of the output with it off."""
     run_in_interpreter(GATHER_QUANT_SCRIPT)
 
 

@@ -286,12 +286,15 @@ def test_fp8_tokens_match_the_fake_quant_oracle_on_a_trained_model(trained, tmp_
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("switch,kernel", [("GATHER_QUANT", "quantize_rows"),
+                                           ("SILU_QUANT", "silu_mul_quantize")])
 @torch.inference_mode()
-def test_fp8_tokens_equal_with_the_moe_gather_quant_kernel(trained, tmp_path, graphs,
-                                                           monkeypatch):
-    """moe.GATHER_QUANT (off by default): the routed tokens gathered, scaled and quantized
-    by one kernel give the tokens of the separate gather, product and quantization, on
-    decode steps (the split-K kernel) and prefill steps (torch's grouped GEMM)."""
+def test_fp8_tokens_equal_with_the_moe_fused_quantization(trained, tmp_path, graphs, switch,
+                                                          kernel, monkeypatch):
+    """moe.GATHER_QUANT / SILU_QUANT (off by default): the routed tokens gathered, scaled
+    and quantized by one kernel, or the experts' ``silu(gate) * up`` made and quantized by
+    one, give the tokens of the separate kernels, on decode steps (the split-K kernel) and
+    prefill steps (torch's grouped GEMM)."""
     from chunklocal.models import moe, quant_triton
 
     hf, text = trained
@@ -301,9 +304,9 @@ def test_fp8_tokens_equal_with_the_moe_gather_quant_kernel(trained, tmp_path, gr
                   max_model_len=512, cuda_graphs=graphs)
     want = chunklocal.LLM(path, **kwargs).generate(prompts, max_new_tokens=NEW,
                                                    ignore_eos=True)
-    monkeypatch.setattr(moe, "GATHER_QUANT", True)
-    calls, real = [], quant_triton.quantize_rows
-    monkeypatch.setattr(moe, "quantize_rows", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(moe, switch, True)
+    calls, real = [], getattr(quant_triton, kernel)
+    monkeypatch.setattr(moe, kernel, lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = chunklocal.LLM(path, **kwargs).generate(prompts, max_new_tokens=NEW,
                                                   ignore_eos=True)
     assert calls and got == want

@@ -79,3 +79,20 @@ def test_gathered_scaled_rows_give_the_products_bytes(k, ub):
     scale = scale.cuda()
     same_bits(quant_triton.quantize_rows(x, ub, idx, scale),
               quant_triton.quantize_rows(x[idx] * scale[:, None], ub))
+
+
+@pytest.mark.parametrize("inner", [100, 8192])
+@pytest.mark.parametrize("ub", [None, 2.0])
+def test_silu_mul_quantize_against_the_products_quantization(inner, ub):
+    """``silu_mul_quantize`` (moe.SILU_QUANT's kernel) against quantizing FlashInfer's
+    ``silu_and_mul`` product (the path it replaces): the SiLU's exp may differ by an ulp,
+    so a bf16 product and then an FP8 byte may too, rarely; scales within a bf16 ulp."""
+    import flashinfer.activation
+
+    gate_up = rows(64, 2 * inner, seed=inner)
+    q, s = quant_triton.silu_mul_quantize(gate_up, ub)
+    wq, ws = quant_triton.quantize_rows(flashinfer.activation.silu_and_mul(gate_up), ub)
+    assert q.shape == wq.shape == (64, inner) and s.shape == ws.shape
+    same = (q.view(torch.uint8) == wq.view(torch.uint8)).float().mean().item()
+    assert same >= 0.999, same
+    assert torch.allclose(s, ws, rtol=2.0 ** -7, atol=0)

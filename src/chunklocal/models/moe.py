@@ -32,9 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chunklocal.models.fused import GatedMLPBase, gated_act
+from chunklocal.models.fused import GatedMLPBase, gated_act, is_silu
 from chunklocal.models.parallel import SINGLE, ShardRule, TPGroup, column_parallel, row_parallel
-from chunklocal.models.quant_triton import QuantRows, quant_available, quantize_rows
+from chunklocal.models.quant_triton import (
+    QuantRows,
+    quant_available,
+    quantize_rows,
+    silu_mul_quantize,
+)
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -61,6 +66,14 @@ MOE_CHUNK_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_CHUNK_TOKENS", "8192"))
 #: The same bits either way.  Written after that session's device time: off until an H200
 #: run measures it (``CHUNKLOCAL_MOE_GATHER_QUANT=1``; tests/gpu/test_fp8_quant_gpu.py).
 GATHER_QUANT = os.environ.get("CHUNKLOCAL_MOE_GATHER_QUANT", "0") == "1"
+#: The same for the second expert GEMM's rows: ``silu(gate) * up`` and its per-token
+#: quantization in one kernel (``quant_triton.silu_mul_quantize``), where ``silu_and_mul``
+#: stored the bf16 product and the quantizer read it twice (issue 19: quantization fused
+#: into the kernel that produces the activation).  Rounded to bf16 before quantizing, as
+#: ``silu_and_mul`` rounds it; the SiLU's exp is Triton's, so a product may differ from
+#: FlashInfer's by a bf16 ulp.  Off until an H200 run measures it
+#: (``CHUNKLOCAL_MOE_SILU_QUANT=1``; tests/gpu/test_fp8_quant_gpu.py, test_fp8_gpu.py).
+SILU_QUANT = os.environ.get("CHUNKLOCAL_MOE_SILU_QUANT", "0") == "1"
 
 #: Simulated routing for runs on dummy weights, whose router sends most tokens of a layer to
 #: one or two experts where a trained router spreads them (issue 19), so a benchmark would
@@ -136,6 +149,15 @@ def gather_quant_available(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The MoE layer's first expert GEMM takes its rows gathered, scaled and quantized by
     one kernel (:data:`GATHER_QUANT`): FP8 weights, and quant_triton's kernel runs on ``x``."""
     return GATHER_QUANT and w.dtype in FP8_DTYPES and quant_available(x)
+
+
+def silu_quant_available(gate_up: torch.Tensor, w: torch.Tensor, act: nn.Module,
+                         amax_reduce) -> bool:
+    """The second expert GEMM takes ``act(gate) * up`` made and quantized by one kernel
+    (:data:`SILU_QUANT`): FP8 weights, a SiLU, no cross-rank amax, and quant_triton's kernel
+    runs on ``gate_up``."""
+    return (SILU_QUANT and w.dtype in FP8_DTYPES and is_silu(act) and amax_reduce is None
+            and quant_available(gate_up) and gate_up.is_contiguous())
 
 
 def expert_mm(x: torch.Tensor | QuantRows, w: torch.Tensor, offs: torch.Tensor,
@@ -381,11 +403,15 @@ class MoE(nn.Module):
             routed_in = x[token] * pair_score.view(-1, 1)
         gate_up = expert_mm(routed_in, w13, offs, ex.w13_scale, small, ub)
         del routed_in
-        inner = gated_act(gate_up, self.act)
-        del gate_up
         # "tp": each rank holds a slice of every pair's w2 input (routing is the same on
         # every rank, so row i is the same pair everywhere): FP8 scales it by its full amax
         split = self.tp.all_reduce_max if self.tp.size > 1 and elsewhere is None else None
+        inner: torch.Tensor | QuantRows
+        if silu_quant_available(gate_up, w2, self.act, split):
+            inner = QuantRows(*silu_mul_quantize(gate_up, ub), gate_up.dtype)
+        else:
+            inner = gated_act(gate_up, self.act)
+        del gate_up
         rows = expert_mm(inner, w2, offs, ex.w2_scale, small, ub, split)
         del inner
         per_slot = torch.empty_like(rows).index_copy_(0, order, rows)

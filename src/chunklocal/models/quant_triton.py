@@ -65,10 +65,27 @@ def quant_available(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    @triton.jit
+    def _quantize_rows_load(x_row, k, K, row_scale, GATHER: tl.constexpr,
+                            SILU_MUL: tl.constexpr):
+        """Elements ``k`` of the row to quantize, in float32, as torch makes them: ``x``;
+        ``x * row_scale`` (GATHER); or ``silu(gate) * up`` of ``[gate | up]`` (SILU_MUL, K
+        the width of each half), each rounded to x's dtype first."""
+        if SILU_MUL:
+            g = tl.load(x_row + k, mask=k < K, other=0.0)
+            u = tl.load(x_row + K + k, mask=k < K, other=0.0).to(tl.float32)
+            gf = g.to(tl.float32)
+            xk = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
+        else:
+            xk = tl.load(x_row + k, mask=k < K, other=0.0)
+            if GATHER:
+                xk = (xk.to(tl.float32) * row_scale).to(xk.dtype)
+        return xk.to(tl.float32)
+
     @triton.jit(do_not_specialize=["scale_ub"])
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, rs_ptr, K, scale_ub, stride_xm,
                               stride_qm, HAS_UB: tl.constexpr, GATHER: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         if GATHER:
@@ -81,10 +98,8 @@ if triton is not None:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
-            xk = tl.load(x_row + k, mask=k < K, other=0.0)
-            if GATHER:  # torch's ``x[rows] * row_scale``: the product rounded to x's dtype
-                xk = (xk.to(tl.float32) * row_scale).to(xk.dtype)
-            amax = tl.maximum(amax, tl.abs(xk.to(tl.float32)))
+            xk = _quantize_rows_load(x_row, k, K, row_scale, GATHER, SILU_MUL)
+            amax = tl.maximum(amax, tl.abs(xk))
         top = tl.max(amax, axis=0)
         if HAS_UB:
             top = tl.minimum(top, scale_ub)
@@ -93,10 +108,7 @@ if triton is not None:
         scale = tl.math.div_rn(tl.maximum(zero + top, 1e-12), zero + 448.0)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
-            xk = tl.load(x_row + k, mask=k < K, other=0.0)
-            if GATHER:  # the same product as in the amax pass
-                xk = (xk.to(tl.float32) * row_scale).to(xk.dtype)
-            xk = xk.to(tl.float32)
+            xk = _quantize_rows_load(x_row, k, K, row_scale, GATHER, SILU_MUL)
             xq = tl.minimum(tl.maximum(tl.math.div_rn(xk, scale), -448.0), 448.0)
             tl.store(q_ptr + row * stride_qm + k, xq.to(tl.float8e4nv), mask=k < K)
         tl.store(s_ptr + row + ks, scale, mask=ks == 0)
@@ -132,6 +144,32 @@ def quantize_rows(x: torch.Tensor, scale_ub: float | None = None, rows: torch.Te
         _quantize_rows_kernel[(num_rows,)](
             x, q, scale, rows if gather else x, row_scale if gather else x, k_dim,
             0.0 if scale_ub is None else float(scale_ub), x.stride(0), q.stride(0),
-            HAS_UB=scale_ub is not None, GATHER=gather, BLOCK_K=block_k,
+            HAS_UB=scale_ub is not None, GATHER=gather, SILU_MUL=False, BLOCK_K=block_k,
+            num_warps=4 if block_k <= 1024 else 8)
+    return q, scale
+
+
+def silu_mul_quantize(gate_up: torch.Tensor, scale_ub: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token(silu(gate) * up, scale_ub)`` for ``gate_up = [gate | up]`` [M,
+    2I] (contiguous rows) -> (``[M, I]`` float8_e4m3fn, ``[M, 1]`` float32 scales), in one
+    kernel: the product (float32, rounded to gate_up's dtype once, as FlashInfer's
+    ``silu_and_mul`` rounds it) is never stored, where ``silu_and_mul`` wrote it and the
+    quantization read it twice more."""
+    if triton is None:
+        raise RuntimeError("silu_mul_quantize needs Triton")
+    num_rows, width = gate_up.shape
+    if width % 2 or not gate_up.is_contiguous():
+        raise ValueError(f"silu_mul_quantize needs contiguous [M, 2I] rows, got "
+                         f"{tuple(gate_up.shape)} with strides {gate_up.stride()}")
+    inner = width // 2
+    q = torch.empty(num_rows, inner, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=gate_up.device)
+    if num_rows:
+        block_k = min(triton.next_power_of_2(inner), MAX_BLOCK_K)
+        _quantize_rows_kernel[(num_rows,)](
+            gate_up, q, scale, gate_up, gate_up, inner,
+            0.0 if scale_ub is None else float(scale_ub), gate_up.stride(0), q.stride(0),
+            HAS_UB=scale_ub is not None, GATHER=False, SILU_MUL=True, BLOCK_K=block_k,
             num_warps=4 if block_k <= 1024 else 8)
     return q, scale
