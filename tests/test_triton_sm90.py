@@ -1,0 +1,170 @@
+"""Every Triton kernel of the package compiled for the H200 (sm_90) on the CPU, as its own
+wrapper launches it.
+
+CI has no GPU, but Triton compiles for a named target without one (LLVM and the ptxas it
+ships).  Each kernel object is replaced by a recorder; the real wrappers then run on CPU
+tensors of the dtypes the GPU path uses (bf16 rows, e4m3 weights and pages, int32 offsets),
+so their argument binding is checked as it is written; and every recorded launch is
+compiled to a cubin for sm_90 with the argument types it was given and its constexprs and
+launch options.  A renamed kernel argument, a constexpr the wrapper no longer passes, a
+type error in a branch the interpreter tests never reach (Triton's interpreter runs Python,
+not the compiler), or code the sm_90 backend rejects fails here rather than on the device.
+Whether the compiled kernel is right and fast is the GPU tests' and benchmarks' question.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from chunklocal.models import kv_write_triton, moe_triton, norm_triton, quant_triton  # noqa: E402
+from chunklocal.models.quant import FP8  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+BF16 = torch.bfloat16
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+           torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64",
+           torch.uint8: "*u8"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+class Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the
+    launch instead of running it."""
+
+    def __init__(self, fn):
+        self.fn, self.launches = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def scalar_type(value) -> str:
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {value!r}")
+
+
+def compile_launch(fn, args, kwargs):
+    """The recorded launch's kernel, compiled for sm_90 (constexprs and launch options as
+    given): the signature names every parameter, so a missing or unknown one fails."""
+    options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
+    bound = dict(zip(fn.arg_names, args, strict=False)) | kwargs
+    assert set(bound) == set(fn.arg_names), (fn.__name__, set(fn.arg_names) ^ set(bound))
+    signature, constexprs = {}, {}
+    for param in fn.params:
+        value = bound[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = POINTER[value.dtype]
+        else:
+            signature[param.name] = scalar_type(value)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=SM90, options=options)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every kernel of the package replaced by a Recorder (the wrappers look them up in
+    their own modules at each call)."""
+    recorders = {}
+    for module, name in ((quant_triton, "_quantize_rows_kernel"),
+                         (moe_triton, "_fp8_splitk_kernel"),
+                         (moe_triton, "_grouped_gemm_kernel"),
+                         (kv_write_triton, "_write_kv_kernel"),
+                         (norm_triton, "_add_rms_norm_kernel"),
+                         (norm_triton, "_rope_norm_kernel")):
+        recorders[name] = Recorder(getattr(module, name))
+        monkeypatch.setattr(module, name, recorders[name])
+    return recorders
+
+
+def compile_all(recorder, expect: int) -> set:
+    assert len(recorder.launches) == expect, len(recorder.launches)
+    names = set()
+    for _grid, args, kwargs in recorder.launches:
+        kernel = compile_launch(recorder.fn, args, dict(kwargs))
+        assert kernel.asm["cubin"], recorder.fn.__name__
+        names.add(kernel.name)
+    return names
+
+
+def test_quantization_kernel_every_form(recorded):
+    x = torch.zeros(3, 5120, dtype=BF16)
+    quant_triton.quantize_rows(x)
+    quant_triton.quantize_rows(x, 1200.0)
+    quant_triton.quantize_rows(x, None, torch.tensor([2, 0]), torch.ones(2, dtype=BF16))
+    quant_triton.silu_mul_quantize(torch.zeros(3, 2 * 8192, dtype=BF16), 2.0)
+    compile_all(recorded["_quantize_rows_kernel"], 4)
+
+
+@pytest.mark.parametrize("reduce", [False, True], ids=["sum", "reduce"])
+@pytest.mark.parametrize("slots", [False, True], ids=["per-expert", "routed-slots"])
+def test_fp8_split_k_kernel_every_form(recorded, reduce, slots):
+    """Routed experts (offsets, 1 row of 16 experts) and a dense layer (no offsets), with
+    the in-kernel sum and the routed-slot grid on and off, the rows quantized by the kernel
+    or coming quantized (QuantRows)."""
+    w, scale = torch.zeros(16, 256, 5120, dtype=FP8), torch.ones(16, 256)
+    offs = torch.ones(16, dtype=torch.int32)
+    kw = dict(reduce_in_kernel=reduce, routed_slots_in_kernel=slots)
+    moe_triton.fp8_grouped_mm_small(torch.zeros(1, 5120, dtype=BF16), w, scale, offs, **kw)
+    moe_triton.fp8_grouped_mm_small(torch.zeros(5, 5120, dtype=BF16), w[:1], scale[:1], None,
+                                    2.0, **kw)
+    rows = quant_triton.QuantRows(torch.zeros(1, 5120, dtype=FP8), torch.ones(1, 1), BF16)
+    moe_triton.fp8_grouped_mm_small(rows, w, scale, offs, **kw)
+    compile_all(recorded["_fp8_splitk_kernel"], 3)
+    compile_all(recorded["_quantize_rows_kernel"], 2)
+
+
+def test_float_grouped_kernel(recorded):
+    offs = torch.tensor([1, 1, 3], dtype=torch.int32)
+    moe_triton.grouped_mm_small(torch.zeros(3, 512, dtype=BF16),
+                                torch.zeros(3, 256, 512, dtype=BF16), offs)
+    compile_all(recorded["_grouped_gemm_kernel"], 1)
+
+
+def test_kv_write_kernel_fp8_and_16bit_pages(recorded):
+    qkv = torch.zeros(4, 3 * 8 * 128, dtype=BF16)  # k and v strided, as the projection's
+    k, v = qkv[:, 1024:2048].view(4, 8, 128), qkv[:, 2048:].view(4, 8, 128)
+    slots = torch.arange(4)
+    pages = [torch.zeros(64, 8, 128, dtype=FP8) for _ in range(2)]
+    kv_write_triton.write_kv_fp8(*pages, slots, k, v, 0.5, 2.0)
+    kv_write_triton.write_kv(*[torch.zeros(64, 8, 128, dtype=BF16) for _ in range(2)], slots,
+                             k, v)
+    compile_all(recorded["_write_kv_kernel"], 2)
+
+
+def test_norm_and_rope_kernels(recorded):
+    h = torch.zeros(3, 5120, dtype=BF16)
+    norm_triton.add_rms_norm_rows(h, torch.zeros_like(h), torch.ones(5120, dtype=BF16), 1e-5)
+    norm_triton.add_rms_norm_rows(h, None, torch.ones(5120, dtype=BF16), 1e-5)
+    compile_all(recorded["_add_rms_norm_kernel"], 2)
+    x = torch.zeros(3, 40, 128, dtype=BF16)
+    freqs = torch.polar(torch.ones(3, 64), torch.zeros(3, 64))
+    norm_triton.rope_norm_rows(x, freqs, 1e-6)
+    norm_triton.rope_norm_rows(x, freqs, None)
+    compile_all(recorded["_rope_norm_kernel"], 2)
+
+
+def test_every_kernel_of_the_package_is_compiled_here():
+    """The fixture's list is the package's: a new kernel joins these tests."""
+    import ast
+    from pathlib import Path
+
+    found = set()
+    for path in (Path(__file__).resolve().parents[1] / "src" / "chunklocal").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
+                    "triton.jit" in ast.unparse(d) for d in node.decorator_list):
+                found.add(node.name)
+    assert found == {"_quantize_rows_kernel", "_fp8_splitk_kernel", "_grouped_gemm_kernel",
+                     "_write_kv_kernel", "_add_rms_norm_kernel", "_rope_norm_kernel"}
