@@ -267,24 +267,32 @@ GATHER_QUANT_SCRIPT = textwrap.dedent("""
         scale = w.abs().amax(-1).clamp(min=1e-6) / 448.0
         setattr(ex, name, nn.Parameter((w / scale[..., None]).to(FP8), requires_grad=False))
         setattr(ex, name + "_scale", scale.float())
-    assert not moe_mod.GATHER_QUANT  # off by default (=1 turns it on)
-    calls, real = [], quant_triton.quantize_rows
-    def counting(*a, **kw):
-        calls.append(len(a) > 2 or "rows" in kw)
-        return real(*a, **kw)
-    moe_mod.quantize_rows = counting
     x = torch.randn(40, 16, generator=gen)
-    for limit in (0, 10**6):  # torch's grouped GEMM path, then the split-K kernel's
-        moe.triton_max_pairs = limit
-        with torch.no_grad():
-            moe_mod.GATHER_QUANT = False
-            want = moe(x)
-            moe_mod.GATHER_QUANT = True
-            calls.clear()
-            got = moe(x)
-        assert calls == [True], calls
-        assert torch.equal(got, want), (limit, (got - want).abs().max())
-    moe_mod.GATHER_QUANT = False
+
+    def on_against_off(switch, kernel, tolerance):
+        # the layer with moe.<switch> on against off, on torch's grouped GEMM path and the
+        # split-K kernel's; the fused kernel called once a step (with rows: GATHER_QUANT)
+        assert not getattr(moe_mod, switch)  # off by default (=1 turns it on)
+        calls, real = [], getattr(quant_triton, kernel)
+        def counting(*a, **kw):
+            calls.append(kernel != "quantize_rows" or len(a) > 2 or "rows" in kw)
+            return real(*a, **kw)
+        setattr(moe_mod, kernel, counting)
+        for limit in (0, 10**6):
+            moe.triton_max_pairs = limit
+            with torch.no_grad():
+                setattr(moe_mod, switch, False)
+                want = moe(x)
+                setattr(moe_mod, switch, True)
+                calls.clear()
+                got = moe(x)
+            setattr(moe_mod, switch, False)
+            assert calls == [True], calls
+            err = float((got - want).abs().max() / want.abs().max())
+            assert err <= tolerance, (switch, limit, err)
+        setattr(moe_mod, kernel, real)
+
+    on_against_off("GATHER_QUANT", "quantize_rows", 0.0)  # the same bits
 
     # SILU_QUANT: silu(gate) * up quantized in the same kernel, against quantizing the
     # product made in torch (float32 here: the interpreter's exp may differ by an ulp, and
@@ -304,22 +312,9 @@ GATHER_QUANT_SCRIPT = textwrap.dedent("""
         assert "[M, 2I]" in str(err)
     else:
         raise AssertionError("an odd width was taken")
-    assert not moe_mod.SILU_QUANT  # off by default (=1 turns it on)
-    silu_calls, real_silu = [], quant_triton.silu_mul_quantize
-    moe_mod.silu_mul_quantize = lambda *a, **kw: silu_calls.append(1) or real_silu(*a, **kw)
-    for limit in (0, 10**6):
-        moe.triton_max_pairs = limit
-        with torch.no_grad():
-            moe_mod.SILU_QUANT = False
-            want = moe(x)
-            moe_mod.SILU_QUANT = True
-            silu_calls.clear()
-            got = moe(x)
-        assert silu_calls == [1], silu_calls
-        err = float((got - want).abs().max() / want.abs().max())
-        # torch's SiLU (x * sigmoid(x)) against the kernel's x / (1 + exp(-x)): float32
-        # ulps in the scales, no byte of this seed's rows flips (a flip: about 2**-5)
-        assert err < 2 ** -12, (limit, err)
+    # torch's SiLU (x * sigmoid(x)) against the kernel's x / (1 + exp(-x)): float32 ulps in
+    # the scales, no byte of this seed's rows flips (a flip: about 2**-5)
+    on_against_off("SILU_QUANT", "silu_mul_quantize", 2 ** -12)
     print("ok")
 """)
 
