@@ -52,7 +52,9 @@ SCRIPT = textwrap.dedent("""
     assert not kv_write_triton.KV_WRITE_16BIT_ENABLED  # off by default
     assert not kv_write_triton.kv_write_16bit_available(k, v)
     kv_write_triton.KV_WRITE_16BIT_ENABLED = True
+    kv_write_triton.KV_WRITE_ENABLED = False  # the FP8 form's switch is not this one's
     assert kv_write_triton.kv_write_16bit_available(k, v)
+    assert not kv_write_triton.kv_write_available(k, v)
     kc.zero_(), vc.zero_()
     kv_write_triton.write_kv(kc, vc, slots, k, v)
     assert torch.equal(kc[slots], k) and torch.equal(vc[slots], v)

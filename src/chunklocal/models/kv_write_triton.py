@@ -55,15 +55,20 @@ def _rows_ok(x: torch.Tensor) -> bool:
             and x.shape[1] * x.shape[2] <= MAX_ROW)
 
 
+def _kernel_runs(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The kernel runs on ``k`` and ``v`` (either form)."""
+    return available(k) and k.shape == v.shape and _rows_ok(k) and _rows_ok(v)
+
+
 def kv_write_available(k: torch.Tensor, v: torch.Tensor) -> bool:
     """:func:`write_kv_fp8` runs on ``k`` and ``v`` and is switched on."""
-    return (KV_WRITE_ENABLED and available(k) and k.shape == v.shape
-            and _rows_ok(k) and _rows_ok(v))
+    return KV_WRITE_ENABLED and _kernel_runs(k, v)
 
 
 def kv_write_16bit_available(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """:func:`write_kv` runs on ``k`` and ``v`` and is switched on."""
-    return KV_WRITE_16BIT_ENABLED and kv_write_available(k, v)
+    """:func:`write_kv` runs on ``k`` and ``v`` and is switched on (its own switch: the FP8
+    form's off does not turn this one off)."""
+    return KV_WRITE_16BIT_ENABLED and _kernel_runs(k, v)
 
 
 def reciprocal_f32(scale: float) -> float:

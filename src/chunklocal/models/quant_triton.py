@@ -136,17 +136,7 @@ def quantize_rows(x: torch.Tensor, scale_ub: float | None = None, rows: torch.Te
         num_rows = rows.shape[0]
     if x.stride(1) != 1:
         raise ValueError("quantize_rows needs rows contiguous along K")
-    q = torch.empty(num_rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
-    if num_rows:
-        block_k = min(triton.next_power_of_2(k_dim), MAX_BLOCK_K)
-        gather = rows is not None
-        _quantize_rows_kernel[(num_rows,)](
-            x, q, scale, rows if gather else x, row_scale if gather else x, k_dim,
-            0.0 if scale_ub is None else float(scale_ub), x.stride(0), q.stride(0),
-            HAS_UB=scale_ub is not None, GATHER=gather, SILU_MUL=False, BLOCK_K=block_k,
-            num_warps=4 if block_k <= 1024 else 8)
-    return q, scale
+    return _quantize(x, num_rows, k_dim, scale_ub, rows, row_scale, silu_mul=False)
 
 
 def silu_mul_quantize(gate_up: torch.Tensor, scale_ub: float | None = None
@@ -162,14 +152,21 @@ def silu_mul_quantize(gate_up: torch.Tensor, scale_ub: float | None = None
     if width % 2 or not gate_up.is_contiguous():
         raise ValueError(f"silu_mul_quantize needs contiguous [M, 2I] rows, got "
                          f"{tuple(gate_up.shape)} with strides {gate_up.stride()}")
-    inner = width // 2
-    q = torch.empty(num_rows, inner, dtype=torch.float8_e4m3fn, device=gate_up.device)
-    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=gate_up.device)
+    return _quantize(gate_up, num_rows, width // 2, scale_ub, None, None, silu_mul=True)
+
+
+def _quantize(x, num_rows: int, k_dim: int, scale_ub, rows, row_scale, *, silu_mul: bool):
+    """The one launch of :func:`quantize_rows` and :func:`silu_mul_quantize`: ``num_rows``
+    rows of ``k_dim`` quantized values (made from ``x`` as the kernel's GATHER / SILU_MUL
+    forms say) and their scales."""
+    q = torch.empty(num_rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     if num_rows:
-        block_k = min(triton.next_power_of_2(inner), MAX_BLOCK_K)
+        block_k = min(triton.next_power_of_2(k_dim), MAX_BLOCK_K)
+        gather = rows is not None
         _quantize_rows_kernel[(num_rows,)](
-            gate_up, q, scale, gate_up, gate_up, inner,
-            0.0 if scale_ub is None else float(scale_ub), gate_up.stride(0), q.stride(0),
-            HAS_UB=scale_ub is not None, GATHER=False, SILU_MUL=True, BLOCK_K=block_k,
+            x, q, scale, rows if gather else x, row_scale if gather else x, k_dim,
+            0.0 if scale_ub is None else float(scale_ub), x.stride(0), q.stride(0),
+            HAS_UB=scale_ub is not None, GATHER=gather, SILU_MUL=silu_mul, BLOCK_K=block_k,
             num_warps=4 if block_k <= 1024 else 8)
     return q, scale
