@@ -184,10 +184,13 @@ def test_shutdown_during_a_token_list_call_raises_instead_of_cutting_it_short(
     caller = threading.Thread(target=run)
     caller.start()
     assert entered.wait(30)
+    # the core itself: ``llm.core`` makes a new one once this one is closed, so polling
+    # it would wait out the deadline
+    core = llm.core
     stopper = threading.Thread(target=llm.shutdown)
     stopper.start()
     deadline = time.monotonic() + 30
-    while not llm.core.closed and time.monotonic() < deadline:
+    while not core.closed and time.monotonic() < deadline:
         time.sleep(0.01)
     gate.set()
     stopper.join(30)

@@ -49,7 +49,8 @@ SCRIPT = textwrap.dedent("""
     write_kv_fp8(kc, vc, slots[:0], k[:0], v[:0], 1.0, 1.0)  # an empty step: no launch
     # the 16-bit cache's form: the rows as they are (no scale, no clamp), in their slots
     from chunklocal.models import kv_write_triton
-    assert not kv_write_triton.KV_WRITE_16BIT_ENABLED  # off by default
+    assert kv_write_triton.KV_WRITE_16BIT_ENABLED  # on by default
+    kv_write_triton.KV_WRITE_16BIT_ENABLED = False
     assert not kv_write_triton.kv_write_16bit_available(k, v)
     kv_write_triton.KV_WRITE_16BIT_ENABLED = True
     kv_write_triton.KV_WRITE_ENABLED = False  # the FP8 form's switch is not this one's

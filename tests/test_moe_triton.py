@@ -272,7 +272,7 @@ GATHER_QUANT_SCRIPT = textwrap.dedent("""
     def on_against_off(switch, kernel, tolerance):
         # the layer with moe.<switch> on against off, on torch's grouped GEMM path and the
         # split-K kernel's; the fused kernel called once a step (with rows: GATHER_QUANT)
-        assert not getattr(moe_mod, switch)  # off by default (=1 turns it on)
+        assert getattr(moe_mod, switch)  # on by default (=0 turns it off)
         calls, real = [], getattr(quant_triton, kernel)
         def counting(*a, **kw):
             calls.append(kernel != "quantize_rows" or len(a) > 2 or "rows" in kw)
@@ -286,11 +286,11 @@ GATHER_QUANT_SCRIPT = textwrap.dedent("""
                 setattr(moe_mod, switch, True)
                 calls.clear()
                 got = moe(x)
-            setattr(moe_mod, switch, False)
             assert calls == [True], calls
             err = float((got - want).abs().max() / want.abs().max())
             assert err <= tolerance, (switch, limit, err)
         setattr(moe_mod, kernel, real)
+        setattr(moe_mod, switch, True)
 
     on_against_off("GATHER_QUANT", "quantize_rows", 0.0)  # the same bits
 
@@ -320,10 +320,10 @@ GATHER_QUANT_SCRIPT = textwrap.dedent("""
 
 
 def test_moe_gathers_scales_and_quantizes_its_rows_in_one_kernel():
-    """moe.GATHER_QUANT (off by default): quantize_rows with ``rows`` / ``row_scale`` gives
+    """moe.GATHER_QUANT (on by default): quantize_rows with ``rows`` / ``row_scale`` gives
     the bits of quantizing torch's ``x[rows] * row_scale``, refuses mismatched ones naming
     them, and an FP8 MoE layer's output is bit for bit the same with it on as off.
-    moe.SILU_QUANT (off): silu_mul_quantize against quantizing torch's product, and the
+    moe.SILU_QUANT (on): silu_mul_quantize against quantizing torch's product, and the
     layer's output with it on within FP8's step of the output with it off."""
     run_in_interpreter(GATHER_QUANT_SCRIPT)
 

@@ -43,9 +43,10 @@ KV_WRITE_ENABLED = os.environ.get("CHUNKLOCAL_KV_WRITE_TRITON", "1") == "1"
 #: the two ``index_copy_`` a layer: at a full-size Scout FP8 8k prefill step torch's index
 #: kernels took 9.3 ms of 415 for the K/V writes and the MoE's unpermute, at about a tenth
 #: of the copy rate (BENCHMARKS.md, fourteenth session), and a decode step launches two a
-#: layer.  Written after that session's device time: off until an H200 run measures it
-#: (``CHUNKLOCAL_KV_WRITE_TRITON_16BIT=1``; tests/gpu/test_kv_write_gpu.py).
-KV_WRITE_16BIT_ENABLED = os.environ.get("CHUNKLOCAL_KV_WRITE_TRITON_16BIT", "0") == "1"
+#: layer.  On since the fifteenth session's H200 run (engine tokens equal to
+#: ``index_copy_``'s; with moe.GATHER_QUANT and SILU_QUANT the 8k / 32k prefill 2% faster);
+#: off with ``CHUNKLOCAL_KV_WRITE_TRITON_16BIT=0`` (tests/gpu/test_kv_write_gpu.py).
+KV_WRITE_16BIT_ENABLED = os.environ.get("CHUNKLOCAL_KV_WRITE_TRITON_16BIT", "1") == "1"
 MAX_ROW = 16384  # kv heads x head_dim of one token in one block (Scout: 8 x 128)
 
 

@@ -194,7 +194,7 @@ class Attention(nn.Module):
                                        kind=step.kind, k_scale=self.k_scale,
                                        v_scale=self.v_scale)
         else:
-            # the switch read first: with it off (the default) no call leaves this file
+            # the switch read first: with it off no call leaves this file
             if kv_write_triton.KV_WRITE_16BIT_ENABLED and kv_write_16bit_available(k, v):
                 write_kv(flat_k, flat_v, step.slot_mapping, k, v)
             else:

@@ -63,17 +63,18 @@ MOE_CHUNK_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_CHUNK_TOKENS", "8192"))
 #: where torch gathered, multiplied and then the quantizer read the product: at a full-size
 #: Scout FP8 8k prefill step the gather and the product took about 7.5 ms of 415, and a
 #: decode step launches two kernels a layer for them (BENCHMARKS.md, fourteenth session).
-#: The same bits either way.  Written after that session's device time: off until an H200
-#: run measures it (``CHUNKLOCAL_MOE_GATHER_QUANT=1``; tests/gpu/test_fp8_quant_gpu.py).
-GATHER_QUANT = os.environ.get("CHUNKLOCAL_MOE_GATHER_QUANT", "0") == "1"
+#: The same bits either way.  On since the fifteenth session's H200 run (with SILU_QUANT and
+#: the 16-bit KV write: the 8k / 32k prefill 2% faster, BENCHMARKS.md); off with
+#: ``CHUNKLOCAL_MOE_GATHER_QUANT=0`` (tests/gpu/test_fp8_quant_gpu.py, test_fp8_gpu.py).
+GATHER_QUANT = os.environ.get("CHUNKLOCAL_MOE_GATHER_QUANT", "1") == "1"
 #: The same for the second expert GEMM's rows: ``silu(gate) * up`` and its per-token
 #: quantization in one kernel (``quant_triton.silu_mul_quantize``), where ``silu_and_mul``
 #: stored the bf16 product and the quantizer read it twice (issue 19: quantization fused
 #: into the kernel that produces the activation).  Rounded to bf16 before quantizing, as
 #: ``silu_and_mul`` rounds it; the SiLU's exp is Triton's, so a product may differ from
-#: FlashInfer's by a bf16 ulp.  Off until an H200 run measures it
-#: (``CHUNKLOCAL_MOE_SILU_QUANT=1``; tests/gpu/test_fp8_quant_gpu.py, test_fp8_gpu.py).
-SILU_QUANT = os.environ.get("CHUNKLOCAL_MOE_SILU_QUANT", "0") == "1"
+#: FlashInfer's by a bf16 ulp.  On since the fifteenth session's H200 run (as GATHER_QUANT);
+#: off with ``CHUNKLOCAL_MOE_SILU_QUANT=0`` (tests/gpu/test_fp8_quant_gpu.py, test_fp8_gpu.py).
+SILU_QUANT = os.environ.get("CHUNKLOCAL_MOE_SILU_QUANT", "1") == "1"
 
 #: Simulated routing for runs on dummy weights, whose router sends most tokens of a layer to
 #: one or two experts where a trained router spreads them (issue 19), so a benchmark would
