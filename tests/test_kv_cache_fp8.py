@@ -3,8 +3,7 @@ per-layer K / V scales; chunklocal/kv_quant.py).
 
 Measured on this CPU (float32 model, the tiny dense Llama-4 below, 270 teacher-forced
 positions): FP8 KV against the float32 cache, prompt logits relative max error
-max|a - b| / max|a| = 0.039, greedy agreement 96.3%; every position whose float32 top-1
-margin exceeds twice the max logit error agrees.  Attention over FP8 pages at 1024 keys:
+max|a - b| / max|a| = 0.039, greedy agreement 96.3%.  Attention over FP8 pages at 1024 keys:
 against the float64 reference on the dequantized K/V, 1e-6 (float32 rounding); against
 the unquantized K/V (score std ~3), 0.10-0.14 of max|out| at most, 0.055-0.061 RMS
 relative; each K / V element is within e4m3's half-ulp (2**-4 relative).
@@ -105,8 +104,8 @@ def test_fp8_kv_logits_and_greedy_agreement(ckpt, hybrid):
     assert 0 < err / a.abs().max() < 0.08  # measured 0.039 (hybrid and merged alike)
     agree = a.argmax(-1) == b.argmax(-1)
     assert agree.float().mean() >= 0.95, agree.float().mean()  # measured 0.963
-    top2 = a.topk(2, dim=-1).values
-    assert agree[top2[:, 0] - top2[:, 1] > 2 * err].all()  # no clear choice flips
+    # (No check that choices with a top-1 margin over 2 * err agree: each logit moves by at
+    # most err, so a margin moves by at most 2 * err and such a choice cannot flip.)
     out = fp8.generate(prompts[:3], max_new_tokens=8)
     assert all(len(o) == 8 for o in out)
 
