@@ -411,8 +411,9 @@ def test_decode_trace_counts_files_to_the_kernel(tmp_path):
     prefix caching (the prompt's block hashes at admission) 18, the KV-cache dtype check
     before each layer's write 19, and the runner's host half in its own module
     (engine/input_builder.py, which tensor parallelism composes) 20, the elementwise tail's
-    switch (models/norm_triton.py, consulted by each norm and rope on the CPU too) 21
-    (BENCHMARKS.md): a change that adds a hop should say why."""
+    switch (models/norm_triton.py, consulted by each norm and rope on the CPU too) 21, the
+    16-bit KV write's check (models/kv_write_triton.py, on by default) 22 (BENCHMARKS.md):
+    a change that adds a hop should say why."""
     from benchmarks import decode_trace
 
     decode_trace.write_checkpoint(tmp_path)
@@ -421,7 +422,7 @@ def test_decode_trace_counts_files_to_the_kernel(tmp_path):
     assert files[0] == "chunklocal/engine/llm.py"
     assert {"chunklocal/reference.py", "chunklocal/models/llama4.py",
             "chunklocal/backends/torch_ref.py"} <= set(files)
-    assert result["count"] == len(files) <= 21
+    assert result["count"] == len(files) <= 22
 
 def test_engine_core_smoke(tmp_path):
     """benchmarks/engine_core.py: step breakdown, sampling cases and the sampler alone."""
