@@ -23,7 +23,12 @@ Two parts, one run (GPU):
 
     python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
         [--engine-paths unfused torch quant triton defaults tail reduce slots slots_reduce]
-        [--sweep 1 16 64]
+        [--sweep 1 16 64] [--tune 1 16]
+
+``--sweep`` times the split-K kernel's tile width and split choices; ``--tune`` its tile
+width, K-step, warps and pipeline stages (``TUNE``) at the automatic split, each row with
+the fastest choice and its speed-up over the defaults (a choice that does not fit the
+SM's shared memory is recorded as such and skipped).
 """
 
 from __future__ import annotations
@@ -183,6 +188,55 @@ def sweep_rows(rows, device, copy_rate, ms, smoke, save) -> None:
             save()
 
 
+#: (block_n, block_k, num_warps, num_stages) that ``--tune`` times; the first is the
+#: kernel's default (``fp8_grouped_mm_small``'s keywords).
+TUNE = [(64, 256, 4, 4)] + [(bn, bk, w, st) for bn in (32, 64, 128) for bk in (128, 256, 512)
+                            for w, st in ((4, 3), (4, 4), (4, 6), (8, 4), (8, 6))
+                            if (bn, bk, w, st) != (64, 256, 4, 4)]
+
+
+def tune_label(bn, bk, warps, stages) -> str:
+    return f"bn{bn}_bk{bk}_w{warps}_s{stages}"
+
+
+def tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
+    """The split-K kernel at each TUNE choice (the split its own), Scout's four shapes at
+    ``ms`` rows spread round-robin over the experts; per row the fastest choice and its
+    speed-up over the default, saved row by row."""
+    from chunklocal.models import moe_triton
+
+    shapes = {f"dense {k}": (1, *v) for k, v in DENSE.items()}
+    shapes |= {f"experts {k}": v for k, v in GROUPED.items()}
+    configs = TUNE[:2] if smoke else TUNE
+    for name, (e, n, k) in shapes.items():
+        n, k = (n // 64, k // 64) if smoke else (n, k)
+        w, s = weights(e, n, k, device)
+        for m in ms:
+            counts = torch.bincount(torch.arange(m) % e, minlength=e)
+            offs = None if e == 1 else counts.cumsum(0).to(torch.int32).to(device)
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            touched = int((counts > 0).sum())
+            paths, unfit = {}, []
+            for bn, bk, warps, stages in configs:
+                def fn(x=x, w=w, s=s, o=offs, bn=bn, bk=bk, warps=warps, stages=stages):
+                    return moe_triton.fp8_grouped_mm_small(x, w, s, o, block_n=bn, block_k=bk,
+                                                           num_warps=warps, num_stages=stages)
+                try:
+                    fn()  # compiles; a tile over the SM's shared memory fails here
+                except Exception as err:  # triton's OutOfResources and kin: not a result
+                    unfit.append(f"{tune_label(bn, bk, warps, stages)}: {type(err).__name__}")
+                    continue
+                paths[tune_label(bn, bk, warps, stages)] = fn
+            row = cell(name, m, touched * n * k + m * (k + n) * 2, paths, device, copy_rate)
+            timed = {label: row[f"{label}_us"] for label in paths}
+            best = min(timed, key=timed.get)
+            default = tune_label(*TUNE[0])
+            row.update(unfit=unfit, best=best, best_share=row[f"{best}_share"],
+                       default_over_best=timed[default] / timed[best])
+            rows.append(row)
+            save()
+
+
 #: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel, the
 #: elementwise-tail kernels of models/norm_triton.py, the FP8 kernel adding its K-slices
 #: itself: moe_triton.SPLITK_REDUCE_IN_KERNEL, its grid of routed experts only:
@@ -259,6 +313,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", type=int, nargs="*", default=None, metavar="ROWS",
                         help="also time the split-K kernel at every SWEEP tile/split choice "
                              "for these row counts (e.g. --sweep 1 16 64)")
+    parser.add_argument("--tune", type=int, nargs="*", default=None, metavar="ROWS",
+                        help="also time the split-K kernel at every TUNE tile, K-step, "
+                             "warps and stages choice for these row counts (e.g. --tune 1 16)")
     parser.add_argument("--engine-paths", nargs="+", choices=sorted(ENGINE_PATHS),
                         default=["defaults", "tail"],
                         help="engine variants, in order (ENGINE_PATHS): unfused projections, "
@@ -283,6 +340,9 @@ def main(argv=None) -> int:
     if args.sweep and moe_triton_available(device):
         payload["sweep"] = []
         sweep_rows(payload["sweep"], device, copy_rate, args.sweep, args.smoke, save)
+    if args.tune and moe_triton_available(device):
+        payload["tune"] = []
+        tune_rows(payload["tune"], device, copy_rate, args.tune, args.smoke, save)
     if device.type == "cuda" and args.engine_batches:
         from benchmarks.common import measure_matmul_flops
 

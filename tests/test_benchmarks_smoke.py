@@ -192,9 +192,12 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
     import subprocess
     import sys
 
+    from benchmarks import fp8_small_m
+
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "benchmarks.fp8_small_m", "--smoke",
-                          "--sweep", "2", "--engine-batches", "--out", str(tmp_path)],
+                          "--sweep", "2", "--tune", "2", "--engine-batches", "--out",
+                          str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).resolve().parent.parent)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -205,6 +208,18 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
         (g, 2) for g in ("dense gate_up", "dense down", "experts w13", "experts w2")]
     assert all("bn32_splitauto_us" in r and "bn32_split1_us" in r and r["split_k_auto"] >= 1
                for r in sweep)
+    # --tune: the default choice and the next, each row naming the fastest
+    tune = data["tune"]
+    assert [(r["gemm"], r["rows"]) for r in tune] == [(r["gemm"], 2) for r in sweep]
+    labels = [fp8_small_m.tune_label(*c) for c in fp8_small_m.TUNE[:2]]
+    import inspect
+
+    from chunklocal.models import moe_triton
+    params = inspect.signature(moe_triton.fp8_grouped_mm_small).parameters
+    assert fp8_small_m.TUNE[0] == tuple(params[p].default for p in (
+        "block_n", "block_k", "num_warps", "num_stages"))  # the first is the default
+    assert all(f"{lab}_us" in r for r in tune for lab in labels)
+    assert all(r["best"] in labels and r["unfit"] == [] for r in tune)
 
 
 def test_stream_chunks_smoke(tmp_path):

@@ -237,7 +237,8 @@ def tile_counters(device: torch.device, needed: int) -> torch.Tensor:
 def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tensor,
                          offs: torch.Tensor | None, scale_ub: float | None = None, *,
                          block_n: int = 64, block_k: int = 256, split_k: int | None = None,
-                         num_warps: int = 4, reduce_in_kernel: bool | None = None,
+                         num_warps: int = 4, num_stages: int = 4,
+                         reduce_in_kernel: bool | None = None,
                          routed_slots_in_kernel: bool | None = None) -> torch.Tensor:
     """What :func:`chunklocal.models.quant.fp8_grouped_mm` computes (per-token dynamic
     activation scales, capped at ``scale_ub``): ``x [M, K]`` bf16 rows sorted by expert,
@@ -252,7 +253,9 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
     one sum over the slices adds up (or the kernel's last program of each tile,
     :data:`SPLITK_REDUCE_IN_KERNEL`; ``reduce_in_kernel`` overrides it).  Tiles of
     ``FP8_BLOCK_M`` rows (mma.sync: float32 partial sums); ``split_k`` None:
-    :func:`split_k_for`.  ``x`` may come quantized (:class:`quant_triton.QuantRows`: the first
+    :func:`split_k_for`; ``block_n``, ``block_k``, ``num_warps`` and ``num_stages``: the
+    tile and its pipeline (benchmarks/fp8_small_m.py ``--tune`` times the choices).  ``x``
+    may come quantized (:class:`quant_triton.QuantRows`: the first
     step done already, ``scale_ub`` with it)."""
     if triton is None:
         raise RuntimeError("fp8_grouped_mm_small needs Triton")
@@ -286,7 +289,7 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
         part.stride(0), part.stride(1), out.stride(0), num_rows, num_experts,
         HAS_OFFS=offs is not None, ROUTED_SLOTS=compact, REDUCE=reduce, BLOCK_M=FP8_BLOCK_M,
         BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS_POW2=triton.next_power_of_2(num_experts),
-        num_warps=num_warps, num_stages=4)
+        num_warps=num_warps, num_stages=num_stages)
     if reduce:
         return out
     out = part[0] if split_k == 1 else part.sum(0)
