@@ -439,6 +439,37 @@ def test_decode_trace_counts_files_to_the_kernel(tmp_path):
             "chunklocal/backends/torch_ref.py"} <= set(files)
     assert result["count"] == len(files) <= 22
 
+def test_switch_ab_smoke(tmp_path, monkeypatch):
+    """benchmarks/switch_ab.py: rounds of the defaults and of each switch flipped alone,
+    the graphs captured again after each flip and after it is put back, the switches left
+    as they were, a row per variant against the defaults."""
+    from benchmarks import switch_ab
+    from chunklocal.engine.model_runner import ModelRunner
+    from chunklocal.models import kv_write_triton, norm_triton
+
+    before = (norm_triton.NORM_ENABLED, kv_write_triton.KV_WRITE_16BIT_ENABLED)
+    seen, real_timed = [], switch_ab.timed
+
+    def recording(llm, steps, device):
+        seen.append((norm_triton.NORM_ENABLED, kv_write_triton.KV_WRITE_16BIT_ENABLED))
+        return real_timed(llm, steps, device)
+
+    captures = []
+    monkeypatch.setattr(switch_ab, "timed", recording)
+    monkeypatch.setattr(ModelRunner, "recapture_graphs", lambda self: captures.append(1))
+    assert switch_ab.main(["--smoke", "--switches", "norm", "kv16", "--out",
+                           str(tmp_path)]) == 0
+    norm, kv16 = before
+    assert seen == [(norm, kv16), (not norm, kv16), (norm, not kv16)] * 2  # two rounds
+    assert len(captures) == 2 * 2 * 2  # each flip, each restore
+    assert (norm_triton.NORM_ENABLED, kv_write_triton.KV_WRITE_16BIT_ENABLED) == before
+    rows = _load(tmp_path / "switch_ab_smoke.json")["rows"]
+    assert [r["variant"] for r in rows] == ["defaults", "norm", "kv16"]
+    assert rows[2]["switch"] == f"kv_write_triton.KV_WRITE_16BIT_ENABLED={not kv16}"
+    assert rows[0]["step_ms_over_defaults"] == 1
+    assert all(r["floor_ms"] > 0 and r["step_ms_median"] > 0 for r in rows)
+
+
 def test_engine_core_smoke(tmp_path):
     """benchmarks/engine_core.py: step breakdown, sampling cases and the sampler alone."""
     from benchmarks import engine_core

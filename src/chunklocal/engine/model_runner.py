@@ -221,13 +221,19 @@ class ModelRunner(StepRunner):
             attn.calibrate_kv = True
         hidden = self.model(input_ids, to_device(inputs.positions, self.device), steps)
         self.kv_calibration_pending = False
-        if self.graphs is not None:  # the old graphs' pool goes before the new one is made
+        # Only the whole-forward graphs hold the scales (in their KV writes); piecewise
+        # segments hold none (the KV writes between them run eagerly) and are kept.
+        self.recapture_graphs()
+        return hidden
+
+    def recapture_graphs(self) -> None:
+        """Capture the whole-forward CUDA graphs again (none made: nothing to do), after
+        something they captured changed: the KV scales, or a kernel switch read when a
+        kernel runs (benchmarks/switch_ab.py).  The old graphs' pool goes first."""
+        if self.graphs is not None:
             self.graphs = None
             gc.collect()
-            # Only the whole-forward graphs hold the scales (in their KV writes); piecewise
-            # segments hold none (the KV writes between them run eagerly) and are kept.
             self._capture_whole_graphs()
-        return hidden
 
     def logits(self, hidden):
         return self.model.compute_logits(hidden).float()

@@ -1,0 +1,163 @@
+"""Kernel switches A/B'd inside one engine, in alternated rounds (GPU).
+
+A module switch read when a kernel runs (not when the weights load) can be flipped on a
+loaded engine.  Its CUDA graphs hold the kernels of the old setting, so every flip captures
+them again (``ModelRunner.recapture_graphs``).  One engine of ``--model`` (dummy weights,
+benchmarks.decode_floor's), ``--batch`` requests at ``--context`` tokens on spread routing
+(floors.BalancedRouting), then ``--repeats`` rounds.  In each round the defaults and every
+switch of ``--switches`` flipped alone, in turn, time ``--steps`` decode steps with CUDA
+graphs (the step through ``ModelRunner.run``, and its graph replayed alone).  One engine,
+one set of weights and pages, and rounds alternated, so drift between engines (the
+fifteenth session's single runs of one tree moved by up to 9%) does not decide: a difference
+inside the spread of the repeats is reported as such.
+
+    python -m benchmarks.switch_ab --model scout-fp8 --batch 1 --repeats 5 \\
+        --switches reduce slots gather silu kv16
+    python -m benchmarks.switch_ab --smoke          # CPU: eager steps, checks the logic
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import decode_floor, floors
+from benchmarks.common import base_parser, format_table, write_json
+
+#: name: (module, attribute) of switches read when a kernel runs.  Projections' fusion
+#: (``fused.FUSE_PROJECTIONS``) is read when the weights load, so it is not here.
+SWITCHES = {
+    "reduce": ("chunklocal.models.moe_triton", "SPLITK_REDUCE_IN_KERNEL"),
+    "slots": ("chunklocal.models.moe_triton", "ROUTED_SLOTS_ENABLED"),
+    "fp8_gemm": ("chunklocal.models.moe_triton", "FP8_ENABLED"),
+    "quant": ("chunklocal.models.quant_triton", "QUANT_ENABLED"),
+    "gather": ("chunklocal.models.moe", "GATHER_QUANT"),
+    "silu": ("chunklocal.models.moe", "SILU_QUANT"),
+    "kv_write": ("chunklocal.models.kv_write_triton", "KV_WRITE_ENABLED"),
+    "kv16": ("chunklocal.models.kv_write_triton", "KV_WRITE_16BIT_ENABLED"),
+    "norm": ("chunklocal.models.norm_triton", "NORM_ENABLED"),
+}
+WARMUP = 2  # steps after each capture before the timed ones
+
+
+def flipped(name: str):
+    """(module, attribute, default value) of switch ``name``."""
+    module_name, attr = SWITCHES[name]
+    module = importlib.import_module(module_name)
+    return module, attr, getattr(module, attr)
+
+
+def timed(llm, steps: int, device) -> dict:
+    """Median step through ``ModelRunner.run`` and, with graphs, the graph alone (ms)."""
+    graphs = llm.runner.graphs
+    decode_floor.timed_steps(llm, WARMUP, True, device)
+    before = graphs.replays.copy() if graphs is not None else None
+    step = statistics.median(decode_floor.timed_steps(llm, steps, True, device))
+    replay = decode_floor.replay_only_ms(graphs, before, steps, device)
+    return {"step_ms": step, "replay_ms": replay}
+
+
+def rounds(llm, names: list[str], repeats: int, steps: int, device) -> dict[str, list[dict]]:
+    """``repeats`` rounds of the defaults and each switch flipped alone; the graphs are
+    captured again after every flip and after it is put back."""
+    runs: dict[str, list[dict]] = {"defaults": []}
+    runs |= {name: [] for name in names}
+    for _ in range(repeats):
+        runs["defaults"].append(timed(llm, steps, device))
+        for name in names:
+            module, attr, default = flipped(name)
+            setattr(module, attr, not default)
+            try:
+                llm.runner.recapture_graphs()
+                runs[name].append(timed(llm, steps, device))
+            finally:
+                setattr(module, attr, default)
+                llm.runner.recapture_graphs()
+    return runs
+
+
+def summary(runs: dict[str, list[dict]], names: list[str], base: dict) -> list[dict]:
+    """A row per variant: median, min and max over the rounds of the step and the replay,
+    and the ratio of the medians to the defaults'; ``inside_spread`` when the variant's
+    range of round medians overlaps the defaults'."""
+    rows = []
+    ref = runs["defaults"]
+    for label, measured in runs.items():
+        row = dict(base, variant=label)
+        if label != "defaults":
+            module, attr, default = flipped(label)
+            row["switch"] = f"{module.__name__.rsplit('.', 1)[-1]}.{attr}={not default}"
+        for key in ("step_ms", "replay_ms"):
+            values = [m[key] for m in measured if m[key] is not None]
+            if not values:
+                continue
+            row |= {f"{key}_median": statistics.median(values), f"{key}_min": min(values),
+                    f"{key}_max": max(values)}
+            ref_values = [m[key] for m in ref if m[key] is not None]
+            row[f"{key}_over_defaults"] = statistics.median(values) / statistics.median(
+                ref_values)
+            if label != "defaults":
+                row[f"{key}_inside_spread"] = (min(values) <= max(ref_values)
+                                               and min(ref_values) <= max(values))
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(decode_floor.MODELS), default="scout-fp8")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--switches", nargs="+", choices=sorted(SWITCHES),
+                        default=["reduce", "slots"])
+    args = parser.parse_args(argv)
+    args.repeats = 5 if args.repeats is None else args.repeats  # rounds (base_parser's flag)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        args.model, args.batch, args.context, args.steps, args.repeats = "smoke", 2, 40, 2, 2
+    elif device.type != "cuda":
+        parser.error("the engine run needs CUDA; on the CPU only --smoke works")
+    names = list(dict.fromkeys(args.switches))
+    rounds_steps = args.repeats * (1 + 2 * len(names)) * (args.steps + WARMUP)
+    new = rounds_steps + 32  # and the floor's eager step
+    max_model_len = args.context + new + 96
+    payload = {"args": vars(args), "rows": [], "errors": []}
+    name = "switch_ab_smoke" if args.smoke else "switch_ab"
+    with tempfile.TemporaryDirectory() as tmp, floors.BalancedRouting():
+        path = decode_floor.write_config(Path(tmp) / args.model, args.model)
+        llm = decode_floor.make_llm_with_kv(path, device, args.batch, max_model_len)
+        try:
+            fitted = decode_floor.fill(llm, args.batch, args.context, new)
+            if fitted != args.batch:
+                parser.error(f"{args.batch} requests of {max_model_len} tokens do not fit "
+                             f"the KV pool ({fitted} do)")
+            # the floor: the bytes a step must read (decode_floor.step_floor: the experts
+            # its tokens chose, counted in one eager step) at the copy rate of this run
+            rates = decode_floor.measure_rates(device)
+            with floors.RoutingCounter() as routing:
+                decode_floor.timed_steps(llm, 1, False, device)
+            positions = np.fromiter((q.num_computed for q in llm.scheduler.running), np.int64)
+            _, floor_ms = decode_floor.step_floor(llm, positions, routing.distinct or None,
+                                                  rates)
+            runs = rounds(llm, names, args.repeats, args.steps, device)
+        finally:
+            llm.shutdown()
+    base = {"model": args.model, "batch": args.batch, "context": args.context,
+            "steps": args.steps, "repeats": args.repeats, "floor_ms": floor_ms}
+    payload["rows"] = summary(runs, names, base)
+    payload["rounds"], payload["rates"] = runs, rates
+    columns = list(dict.fromkeys(key for row in payload["rows"] for key in row))
+    print(format_table(payload["rows"], columns), flush=True)
+    write_json(name, payload, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
