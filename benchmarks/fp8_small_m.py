@@ -160,15 +160,12 @@ def cell(name, m, nbytes, paths, device, copy_rate) -> dict:
 SWEEP = [(bn, sk) for bn in (32, 64, 128) for sk in (None, 1, 2, 4, 8, 16)]
 
 
-def sweep_rows(rows, device, copy_rate, ms, smoke, save) -> None:
-    """The split-K kernel at each SWEEP configuration, Scout's four shapes, ``ms`` rows
-    (spread round-robin over the experts), appended to ``rows`` and saved one by one (a
-    time limit keeps what was measured): the table its defaults are chosen from."""
-    from chunklocal.models import moe_triton
-
+def scout_cells(device, ms, smoke):
+    """(name, rows, x, w, w_scale, offs, bytes) for Scout's four FP8 GEMM shapes (the dense
+    ones as one group, ``offs`` None) at each row count of ``ms``, rows spread round-robin
+    over the experts; bytes: the weights of the experts touched, the rows and the output."""
     shapes = {f"dense {k}": (1, *v) for k, v in DENSE.items()}
     shapes |= {f"experts {k}": v for k, v in GROUPED.items()}
-    configs = SWEEP[:2] if smoke else SWEEP
     for name, (e, n, k) in shapes.items():
         n, k = (n // 64, k // 64) if smoke else (n, k)
         w, s = weights(e, n, k, device)
@@ -177,15 +174,27 @@ def sweep_rows(rows, device, copy_rate, ms, smoke, save) -> None:
             offs = None if e == 1 else counts.cumsum(0).to(torch.int32).to(device)
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             touched = int((counts > 0).sum())
-            paths = {f"bn{bn}_split{'auto' if sk is None else sk}":
-                     (lambda x=x, w=w, s=s, o=offs, bn=bn, sk=sk:
-                      moe_triton.fp8_grouped_mm_small(x, w, s, o, block_n=bn, split_k=sk))
-                     for bn, sk in configs}
-            row = cell(name, m, touched * n * k + m * (k + n) * 2, paths, device, copy_rate)
-            row["split_k_auto"] = moe_triton.split_k_for(
-                m, e, n, k, 64, 256, moe_triton.device_sm_count(device))
-            rows.append(row)
-            save()
+            yield name, m, x, w, s, offs, touched * n * k + m * (k + n) * 2
+
+
+def sweep_rows(rows, device, copy_rate, ms, smoke, save) -> None:
+    """The split-K kernel at each SWEEP configuration, Scout's four shapes, ``ms`` rows
+    (spread round-robin over the experts), appended to ``rows`` and saved one by one (a
+    time limit keeps what was measured): the table its defaults are chosen from."""
+    from chunklocal.models import moe_triton
+
+    configs = SWEEP[:2] if smoke else SWEEP
+    for name, m, x, w, s, offs, nbytes in scout_cells(device, ms, smoke):
+        e, n, k = w.shape
+        paths = {f"bn{bn}_split{'auto' if sk is None else sk}":
+                 (lambda x=x, w=w, s=s, o=offs, bn=bn, sk=sk:
+                  moe_triton.fp8_grouped_mm_small(x, w, s, o, block_n=bn, split_k=sk))
+                 for bn, sk in configs}
+        row = cell(name, m, nbytes, paths, device, copy_rate)
+        row["split_k_auto"] = moe_triton.split_k_for(
+            m, e, n, k, 64, 256, moe_triton.device_sm_count(device))
+        rows.append(row)
+        save()
 
 
 #: (block_n, block_k, num_warps, num_stages) that ``--tune`` times; the first is the
@@ -205,36 +214,27 @@ def tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
     speed-up over the default, saved row by row."""
     from chunklocal.models import moe_triton
 
-    shapes = {f"dense {k}": (1, *v) for k, v in DENSE.items()}
-    shapes |= {f"experts {k}": v for k, v in GROUPED.items()}
     configs = TUNE[:2] if smoke else TUNE
-    for name, (e, n, k) in shapes.items():
-        n, k = (n // 64, k // 64) if smoke else (n, k)
-        w, s = weights(e, n, k, device)
-        for m in ms:
-            counts = torch.bincount(torch.arange(m) % e, minlength=e)
-            offs = None if e == 1 else counts.cumsum(0).to(torch.int32).to(device)
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            touched = int((counts > 0).sum())
-            paths, unfit = {}, []
-            for bn, bk, warps, stages in configs:
-                def fn(x=x, w=w, s=s, o=offs, bn=bn, bk=bk, warps=warps, stages=stages):
-                    return moe_triton.fp8_grouped_mm_small(x, w, s, o, block_n=bn, block_k=bk,
-                                                           num_warps=warps, num_stages=stages)
-                try:
-                    fn()  # compiles; a tile over the SM's shared memory fails here
-                except Exception as err:  # triton's OutOfResources and kin: not a result
-                    unfit.append(f"{tune_label(bn, bk, warps, stages)}: {type(err).__name__}")
-                    continue
-                paths[tune_label(bn, bk, warps, stages)] = fn
-            row = cell(name, m, touched * n * k + m * (k + n) * 2, paths, device, copy_rate)
-            timed = {label: row[f"{label}_us"] for label in paths}
-            best = min(timed, key=timed.get)
-            default = tune_label(*TUNE[0])
-            row.update(unfit=unfit, best=best, best_share=row[f"{best}_share"],
-                       default_over_best=timed[default] / timed[best])
-            rows.append(row)
-            save()
+    for name, m, x, w, s, offs, nbytes in scout_cells(device, ms, smoke):
+        paths, unfit = {}, []
+        for bn, bk, warps, stages in configs:
+            def fn(x=x, w=w, s=s, o=offs, bn=bn, bk=bk, warps=warps, stages=stages):
+                return moe_triton.fp8_grouped_mm_small(x, w, s, o, block_n=bn, block_k=bk,
+                                                       num_warps=warps, num_stages=stages)
+            try:
+                fn()  # compiles; a tile over the SM's shared memory fails here
+            except Exception as err:  # triton's OutOfResources and kin: not a result
+                unfit.append(f"{tune_label(bn, bk, warps, stages)}: {type(err).__name__}")
+                continue
+            paths[tune_label(bn, bk, warps, stages)] = fn
+        row = cell(name, m, nbytes, paths, device, copy_rate)
+        timed = {label: row[f"{label}_us"] for label in paths}
+        best = min(timed, key=timed.get)
+        default = tune_label(*TUNE[0])
+        row.update(unfit=unfit, best=best, best_share=row[f"{best}_share"],
+                   default_over_best=timed[default] / timed[best])
+        rows.append(row)
+        save()
 
 
 #: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel, the
