@@ -291,10 +291,10 @@ def test_fp8_tokens_match_the_fake_quant_oracle_on_a_trained_model(trained, tmp_
 @torch.inference_mode()
 def test_fp8_tokens_equal_with_the_moe_fused_quantization(trained, tmp_path, graphs, switch,
                                                           kernel, monkeypatch):
-    """moe.GATHER_QUANT / SILU_QUANT (off by default): the routed tokens gathered, scaled
+    """moe.GATHER_QUANT / SILU_QUANT (on by default): the routed tokens gathered, scaled
     and quantized by one kernel, or the experts' ``silu(gate) * up`` made and quantized by
-    one, give the tokens of the separate kernels, on decode steps (the split-K kernel) and
-    prefill steps (torch's grouped GEMM)."""
+    one, give the tokens of the separate kernels (the switch off), on decode steps (the
+    split-K kernel) and prefill steps (torch's grouped GEMM)."""
     from chunklocal.models import moe, quant_triton
 
     hf, text = trained
@@ -302,6 +302,7 @@ def test_fp8_tokens_equal_with_the_moe_fused_quantization(trained, tmp_path, gra
     prompts = copy_prompts(LENGTHS, seed=3, vocab=128)
     kwargs = dict(device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
                   max_model_len=512, cuda_graphs=graphs)
+    monkeypatch.setattr(moe, switch, False)  # the separate kernels
     want = chunklocal.LLM(path, **kwargs).generate(prompts, max_new_tokens=NEW,
                                                    ignore_eos=True)
     monkeypatch.setattr(moe, switch, True)

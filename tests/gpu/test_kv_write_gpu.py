@@ -82,7 +82,7 @@ def test_replayed_in_a_cuda_graph_with_new_rows(monkeypatch):
 
 @pytest.mark.parametrize("t", [1, 151, 8192])
 def test_the_16bit_kernel_gives_index_copys_pages(t, monkeypatch):
-    """KV_WRITE_16BIT_ENABLED (off by default): a bf16 cache receives exactly the rows
+    """KV_WRITE_16BIT_ENABLED (on by default): a bf16 cache receives exactly the rows
     ``index_copy_`` stores, eagerly and replayed in a CUDA graph with new rows."""
     monkeypatch.setattr(kv_write_triton, "KV_WRITE_16BIT_ENABLED", True)
     k, v = kv_rows(t, seed=t + 3)
