@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import chunklocal.models.kv_write_triton as kv_write_triton
 from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.kv_quant import calibrated_scales, is_fp8, write_fp8
 from chunklocal.kv_spec import softmax_scale
@@ -194,8 +193,7 @@ class Attention(nn.Module):
                                        kind=step.kind, k_scale=self.k_scale,
                                        v_scale=self.v_scale)
         else:
-            # the switch read first: with it off no call leaves this file
-            if kv_write_triton.KV_WRITE_16BIT_ENABLED and kv_write_16bit_available(k, v):
+            if kv_write_16bit_available(k, v):  # its switch and the rows (on the CPU: no)
                 write_kv(flat_k, flat_v, step.slot_mapping, k, v)
             else:
                 flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
