@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     elif device.type != "cuda":
         parser.error("the engine run needs CUDA; on the CPU only --smoke works")
     names = list(dict.fromkeys(args.switches))
-    rounds_steps = args.repeats * (1 + 2 * len(names)) * (args.steps + WARMUP)
+    # each round times the defaults and each flip once (a restore is not timed)
+    rounds_steps = args.repeats * (1 + len(names)) * (args.steps + WARMUP)
     new = rounds_steps + 32  # and the floor's eager step
     max_model_len = args.context + new + 96
     payload = {"args": vars(args), "rows": [], "errors": []}

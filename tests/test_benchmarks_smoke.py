@@ -188,11 +188,13 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
     """--sweep times the split-K kernel per tile/split choice (Triton's interpreter on the
     CPU: the kernel and quantization columns run too), every row with its auto split."""
     pytest.importorskip("triton")
+    import inspect
     import os
     import subprocess
     import sys
 
     from benchmarks import fp8_small_m
+    from chunklocal.models import moe_triton
 
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "benchmarks.fp8_small_m", "--smoke",
@@ -212,9 +214,6 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
     tune = data["tune"]
     assert [(r["gemm"], r["rows"]) for r in tune] == [(r["gemm"], 2) for r in sweep]
     labels = [fp8_small_m.tune_label(*c) for c in fp8_small_m.TUNE[:2]]
-    import inspect
-
-    from chunklocal.models import moe_triton
     params = inspect.signature(moe_triton.fp8_grouped_mm_small).parameters
     assert fp8_small_m.TUNE[0] == tuple(params[p].default for p in (
         "block_n", "block_k", "num_warps", "num_stages"))  # the first is the default
@@ -438,6 +437,7 @@ def test_decode_trace_counts_files_to_the_kernel(tmp_path):
     assert {"chunklocal/reference.py", "chunklocal/models/llama4.py",
             "chunklocal/backends/torch_ref.py"} <= set(files)
     assert result["count"] == len(files) <= 22
+
 
 def test_switch_ab_smoke(tmp_path, monkeypatch):
     """benchmarks/switch_ab.py: rounds of the defaults and of each switch flipped alone,
