@@ -245,19 +245,22 @@ def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_
     assert all(third.wrappers[k] is first.wrappers[k] for k in want)
 
 
-def test_eager_flashinfer_steps_overlap_when_switched_on(ckpt, monkeypatch):
-    """With CHUNKLOCAL_OVERLAP_EAGER=1 an eager step on backends that double-buffer their
-    plans is overlap-safe: on a GPU the engine launches the next step before collecting it
-    (overlap.overlappable), as it does after a graph replay.  Off (the default until an
-    H200 run measures it), or on a backend that does not say so, it keeps the old order."""
+def test_eager_flashinfer_steps_overlap_unless_switched_off(ckpt, monkeypatch):
+    """By default (CHUNKLOCAL_OVERLAP_EAGER unset) an eager step on backends that
+    double-buffer their plans is overlap-safe: on a GPU the engine launches the next step
+    before collecting it (overlap.overlappable), as it does after a graph replay.  With the
+    switch off (``CHUNKLOCAL_OVERLAP_EAGER=0``), or on a backend that does not say so, it
+    keeps the old order."""
     from types import SimpleNamespace
 
     from chunklocal.backends.flashinfer import backend as fi_backend
     from chunklocal.engine.overlap import overlappable
 
     path, _ = ckpt
+    assert fi_backend.OVERLAP_EAGER  # the default: the sixteenth session's serve A/B
+    monkeypatch.setattr(fi_backend, "OVERLAP_EAGER", False)
     off = StandinLLM(path, attention_backend="flashinfer", cuda_graphs=False, **ENGINE)
-    assert not fi_backend.OVERLAP_EAGER and not off.runner.overlaps_eager
+    assert not off.runner.overlaps_eager
     monkeypatch.setattr(fi_backend, "OVERLAP_EAGER", True)
     llm = StandinLLM(path, attention_backend="flashinfer", cuda_graphs=False, **ENGINE)
     flags, real = [], llm.runner.launch

@@ -23,7 +23,7 @@ accepted, known only on the host after step n), no live request with penalties (
 token history is read on the host), and step n replayed a CUDA graph, ran on the CPU, or
 ran eagerly on backends that allow it (``overlaps_eager_steps``: FlashInfer stages each
 plan() in a pinned buffer whose copy to the device runs later, so it alternates two
-wrappers per kind; off until an H200 run measures it, ``CHUNKLOCAL_OVERLAP_EAGER=1``).
+wrappers per kind; on by default, ``CHUNKLOCAL_OVERLAP_EAGER=0`` turns it off).
 Otherwise the loop collects step n first.
 """
 

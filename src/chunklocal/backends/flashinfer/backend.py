@@ -59,9 +59,11 @@ from chunklocal.kv_spec import FullAttentionSpec, chunk_size_of, softmax_scale
 from chunklocal.virtual_batches import validate_batch
 
 _WORKSPACE_BYTES = 128 << 20
-#: The switch read at import: off until an H200 run measures it (``CHUNKLOCAL_OVERLAP_EAGER=1``
-#: turns it on; the alternating wrappers are used either way).
-OVERLAP_EAGER = os.environ.get("CHUNKLOCAL_OVERLAP_EAGER", "0") == "1"
+#: The switch read at import: on since the sixteenth session's serve A/B (4-layer Scout,
+#: 1k prompts, 64 new tokens, piecewise graphs on; out tok/s 6,362 -> 7,690 at 64 clients
+#: and 6,679 -> 9,806 at 256; BENCHMARKS.md).  ``CHUNKLOCAL_OVERLAP_EAGER=0`` collects each
+#: eager step before the next launches (the alternating wrappers are used either way).
+OVERLAP_EAGER = os.environ.get("CHUNKLOCAL_OVERLAP_EAGER", "1") == "1"
 _workspaces: dict[torch.device, torch.Tensor] = {}
 
 
@@ -162,8 +164,8 @@ class FlashInferBackend:
                         for b in self.graph_batch_sizes for q in self.graph_query_lens}
         self._eager_parity = 0  # which of each kind's two eager wrappers the next step plans
         #: Eager steps may be launched before the previous one is collected (two wrappers
-        #: per kind, see _KindState): ``CHUNKLOCAL_OVERLAP_EAGER=1``; by default the engine
-        #: collects each eager step first until an H200 run measures the overlap.
+        #: per kind, see _KindState); ``CHUNKLOCAL_OVERLAP_EAGER=0`` makes the engine
+        #: collect each eager step first.
         self.overlaps_eager_steps = OVERLAP_EAGER
 
     # -------------------------------------------------------------- wrappers
