@@ -12,7 +12,9 @@ Two parts, one run (GPU):
   ``REPLAYS`` calls, so launch gaps are not counted for either.  Floor: the weight bytes
   touched (plus activations and outputs) at the copy rate measured in the same run.
   A third column, "quant", is torch's path with its activation quantization in
-  ``quant_triton``'s one kernel instead of torch's chain of small ones.
+  ``quant_triton``'s one kernel instead of torch's chain of small ones; "tiles" is the
+  split-K kernel at ``moe_triton.TUNED_TILES``' tile for the shape, beside "triton" at
+  the default tile.
 * **Engine**: full-size Scout FP8 (dummy weights, ``benchmarks.decode_floor``'s model)
   decode steps at the given batches, 1k contexts, one engine per variant of
   ``--engine-paths`` (``ENGINE_PATHS``: projections unfused, torch's path, with the
@@ -49,6 +51,7 @@ from benchmarks.common import (
     measure_copy_bytes_per_s,
     write_json,
 )
+from chunklocal.models.moe_triton import DEFAULT_TILE
 
 REPLAYS = 20
 DENSE = {"gate_up": (8192, 5120), "down": (5120, 8192)}
@@ -100,6 +103,9 @@ def dense_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
                 paths["triton"] = lambda x=x, w=w, s=s: moe_triton.fp8_linear_small(x, w[0], s[0])
                 paths["reduce"] = lambda x=x, w=w, s=s: moe_triton.fp8_grouped_mm_small(
                     x, w[:1], s[:1], None, reduce_in_kernel=True)
+                tile = tuned(False, n, k)
+                paths["tiles"] = lambda x=x, w=w, s=s, t=tile: moe_triton.fp8_grouped_mm_small(
+                    x, w[:1], s[:1], None, **t)
             rows.append(cell(f"dense {name}", m, n * k + m * k * 2 + m * n * 2, paths,
                              device, copy_rate))
 
@@ -123,9 +129,21 @@ def grouped_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
                     x, w, s, o, reduce_in_kernel=True)
                 paths["slots"] = lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
                     x, w, s, o, routed_slots_in_kernel=True)
+                tile = tuned(True, n, k)
+                paths["tiles"] = lambda x=x, w=w, s=s, o=offs, t=tile: \
+                    moe_triton.fp8_grouped_mm_small(x, w, s, o, **t)
             touched = int((counts > 0).sum())
             rows.append(cell(f"experts {name}", m, touched * n * k + m * (k + n) * 2, paths,
                              device, copy_rate) | {"experts_touched": touched})
+
+
+def tuned(grouped: bool, n: int, k: int) -> dict:
+    """The keywords of ``moe_triton.TUNED_TILES``' tile for a shape (the default tile for a
+    shape it does not name), whatever its switch says."""
+    from chunklocal.models.moe_triton import TUNED_TILES
+
+    tile = TUNED_TILES.get((grouped, n, k), DEFAULT_TILE)
+    return dict(zip(("block_n", "block_k", "num_warps", "num_stages"), tile, strict=True))
 
 
 def with_quant_kernel(fn):
@@ -148,7 +166,7 @@ def cell(name, m, nbytes, paths, device, copy_rate) -> dict:
             us = float("nan")
         row[f"{label}_us"] = us
         row[f"{label}_share"] = row["floor_us"] / us
-    for label in ("triton", "quant", "reduce", "slots"):
+    for label in ("triton", "quant", "reduce", "slots", "tiles"):
         if f"{label}_us" in row:
             row[f"torch_over_{label}"] = row["torch_us"] / row[f"{label}_us"]
     print(format_table([row]), flush=True)
@@ -198,10 +216,10 @@ def sweep_rows(rows, device, copy_rate, ms, smoke, save) -> None:
 
 
 #: (block_n, block_k, num_warps, num_stages) that ``--tune`` times; the first is the
-#: kernel's default (``fp8_grouped_mm_small``'s keywords).
-TUNE = [(64, 256, 4, 4)] + [(bn, bk, w, st) for bn in (32, 64, 128) for bk in (128, 256, 512)
+#: kernel's default (``moe_triton.DEFAULT_TILE``).
+TUNE = [DEFAULT_TILE] + [(bn, bk, w, st) for bn in (32, 64, 128) for bk in (128, 256, 512)
                             for w, st in ((4, 3), (4, 4), (4, 6), (8, 4), (8, 6))
-                            if (bn, bk, w, st) != (64, 256, 4, 4)]
+                            if (bn, bk, w, st) != DEFAULT_TILE]
 
 
 def tune_label(bn, bk, warps, stages) -> str:

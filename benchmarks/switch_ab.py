@@ -35,6 +35,7 @@ from benchmarks.common import base_parser, format_table, write_json
 SWITCHES = {
     "reduce": ("chunklocal.models.moe_triton", "SPLITK_REDUCE_IN_KERNEL"),
     "slots": ("chunklocal.models.moe_triton", "ROUTED_SLOTS_ENABLED"),
+    "tiles": ("chunklocal.models.moe_triton", "TUNED_TILES_ENABLED"),
     "fp8_gemm": ("chunklocal.models.moe_triton", "FP8_ENABLED"),
     "quant": ("chunklocal.models.quant_triton", "QUANT_ENABLED"),
     "gather": ("chunklocal.models.moe", "GATHER_QUANT"),

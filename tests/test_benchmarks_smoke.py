@@ -188,7 +188,6 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
     """--sweep times the split-K kernel per tile/split choice (Triton's interpreter on the
     CPU: the kernel and quantization columns run too), every row with its auto split."""
     pytest.importorskip("triton")
-    import inspect
     import os
     import subprocess
     import sys
@@ -214,9 +213,9 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
     tune = data["tune"]
     assert [(r["gemm"], r["rows"]) for r in tune] == [(r["gemm"], 2) for r in sweep]
     labels = [fp8_small_m.tune_label(*c) for c in fp8_small_m.TUNE[:2]]
-    params = inspect.signature(moe_triton.fp8_grouped_mm_small).parameters
-    assert fp8_small_m.TUNE[0] == tuple(params[p].default for p in (
-        "block_n", "block_k", "num_warps", "num_stages"))  # the first is the default
+    assert fp8_small_m.TUNE[0] == moe_triton.DEFAULT_TILE  # the first is the default
+    assert moe_triton.tile_for(True, 5120, 8192) == moe_triton.DEFAULT_TILE  # switch off
+    assert {"tiles_us", "torch_over_tiles"} <= set(data["kernels"][0])
     assert all(f"{lab}_us" in r for r in tune for lab in labels)
     assert all(r["best"] in labels and r["unfit"] == [] for r in tune)
 

@@ -164,3 +164,29 @@ def test_routed_slots_grid_replays_in_a_cuda_graph_with_new_routing():
         offs.copy_(torch.tensor(sizes).cumsum(0))
         graph.replay()
         assert torch.equal(out, step(False)), sizes
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("shape", list(moe_triton.TUNED_TILES),
+                         ids=lambda s: f"{'grouped' if s[0] else 'dense'}-{s[1]}x{s[2]}")
+def test_tuned_tiles_equal_cpu_reference(monkeypatch, shape, m):
+    """CHUNKLOCAL_FP8_TUNED_TILES' tile of each shape it names (two experts stand for the
+    routed layers' sixteen: the tile depends on N, K and grouping only) against the CPU
+    reference, as the default tile is above; its launches and shared memory are checked on
+    the CPU (tests/test_triton_sm90.py), its registers only here."""
+    monkeypatch.setattr(moe_triton, "TUNED_TILES_ENABLED", True)
+    grouped, n, k = shape
+    e = 2 if grouped else 1
+    w, scale = fp8_weights(e, n, k, seed=n + k)
+    x = bf16_rows(m, k, seed=m + 7)
+    sizes = [m - m // 2, m // 2] if grouped else [m]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    got = moe_triton.fp8_grouped_mm_small(x.cuda(), w.cuda(), scale.cuda(),
+                                          offs.cuda() if grouped else None)
+    want = fp8_grouped_mm(x.float(), w, scale, offs)
+    ends = offs.tolist()
+    for expert, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        if end > start:  # one expert at a time: an [M, N, K] bound would not fit in memory
+            rows = slice(start, end)
+            assert error_ratio(got[rows], x[rows], w[expert:expert + 1],
+                               scale[expert:expert + 1], want[rows]) <= 1.0

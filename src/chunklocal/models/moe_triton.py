@@ -234,10 +234,36 @@ def tile_counters(device: torch.device, needed: int) -> torch.Tensor:
     return counters
 
 
+#: The split-K kernel's tile and pipeline, ``(block_n, block_k, num_warps, num_stages)``:
+#: the default, and per (grouped, N, K) shape the fastest of the 44 choices that
+#: ``benchmarks/fp8_small_m.py --tune 1`` timed at one row on an H100 (sixteenth session,
+#: BENCHMARKS.md: 10-16% under the default on each of Scout's four shapes, a different
+#: choice on each; repeats a few seconds apart differed by up to 30% on that machine).  Used
+#: with :data:`TUNED_TILES_ENABLED` only, off until an engine A/B on the H200 measures it
+#: (``CHUNKLOCAL_FP8_TUNED_TILES=1``; ``benchmarks/switch_ab.py --switches tiles``).
+DEFAULT_TILE = (64, 256, 4, 4)
+TUNED_TILES = {
+    (False, 8192, 5120): (64, 128, 4, 4),   # Scout's dense gate/up (one group)
+    (False, 5120, 8192): (128, 128, 4, 3),  # Scout's dense down
+    (True, 16384, 5120): (32, 256, 4, 3),   # Scout's experts, w13
+    (True, 5120, 8192): (64, 256, 4, 3),    # Scout's experts, w2
+}
+TUNED_TILES_ENABLED = os.environ.get("CHUNKLOCAL_FP8_TUNED_TILES", "0") == "1"
+
+
+def tile_for(grouped: bool, n_dim: int, k_dim: int) -> tuple[int, int, int, int]:
+    """The tile ``fp8_grouped_mm_small`` launches for a shape when its caller names none:
+    :data:`TUNED_TILES`' entry with the switch on, else :data:`DEFAULT_TILE`."""
+    if TUNED_TILES_ENABLED:
+        return TUNED_TILES.get((grouped, n_dim, k_dim), DEFAULT_TILE)
+    return DEFAULT_TILE
+
+
 def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tensor,
                          offs: torch.Tensor | None, scale_ub: float | None = None, *,
-                         block_n: int = 64, block_k: int = 256, split_k: int | None = None,
-                         num_warps: int = 4, num_stages: int = 4,
+                         block_n: int | None = None, block_k: int | None = None,
+                         split_k: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None,
                          reduce_in_kernel: bool | None = None,
                          routed_slots_in_kernel: bool | None = None) -> torch.Tensor:
     """What :func:`chunklocal.models.quant.fp8_grouped_mm` computes (per-token dynamic
@@ -254,7 +280,8 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
     :data:`SPLITK_REDUCE_IN_KERNEL`; ``reduce_in_kernel`` overrides it).  Tiles of
     ``FP8_BLOCK_M`` rows (mma.sync: float32 partial sums); ``split_k`` None:
     :func:`split_k_for`; ``block_n``, ``block_k``, ``num_warps`` and ``num_stages``: the
-    tile and its pipeline (benchmarks/fp8_small_m.py ``--tune`` times the choices).  ``x``
+    tile and its pipeline, each None taken from :func:`tile_for` (benchmarks/fp8_small_m.py
+    ``--tune`` times the choices).  ``x``
     may come quantized (:class:`quant_triton.QuantRows`: the first
     step done already, ``scale_ub`` with it)."""
     if triton is None:
@@ -271,6 +298,11 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
         raise ValueError("fp8_grouped_mm_small needs x, w and w_scale contiguous along K / N")
     if offs is None and num_experts != 1:
         raise ValueError(f"offs=None means one group, got {num_experts} experts")
+    tile = tile_for(offs is not None, n_dim, k_dim)
+    block_n = tile[0] if block_n is None else block_n
+    block_k = tile[1] if block_k is None else block_k
+    num_warps = tile[2] if num_warps is None else num_warps
+    num_stages = tile[3] if num_stages is None else num_stages
     if split_k is None:
         split_k = split_k_for(num_rows, num_experts, n_dim, k_dim, block_n, block_k,
                               device_sm_count(xq.device))
