@@ -3,6 +3,7 @@ repository root (for ``import benchmarks``) on sys.path, whatever directory pyte
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from pathlib import Path
@@ -14,6 +15,10 @@ _TESTS = Path(__file__).resolve().parent
 for _path in (str(_TESTS), str(_TESTS.parent)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
+# Each engine built freezes the heap after a full collection (chunklocal/_gc.py): in a test
+# process holding hundreds of engines' worth of objects that doubled the engine files' time.
+# Off here unless a run sets it; tests/test_gc_freeze.py turns it on for its own checks.
+os.environ.setdefault("CHUNKLOCAL_GC_FREEZE", "0")
 
 
 @pytest.fixture(scope="module")

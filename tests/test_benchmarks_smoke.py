@@ -220,6 +220,24 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
     assert all(r["best"] in labels and r["unfit"] == [] for r in tune)
 
 
+def test_gc_pauses_smoke(tmp_path, monkeypatch):
+    """Both modes run on one engine; the frozen one holds the start-up heap frozen."""
+    import gc
+
+    from benchmarks import gc_pauses
+
+    monkeypatch.setenv("CHUNKLOCAL_GC_FREEZE", "0")  # restored after: the script sets it
+    try:
+        assert gc_pauses.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    finally:
+        gc.unfreeze()
+    data = _load(tmp_path / "gc_pauses_smoke.json")
+    assert [r["mode"] for r in data["rounds"]] == ["unfrozen", "frozen"]
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert rows["unfrozen"]["frozen_objects"] == 0 < rows["frozen"]["frozen_objects"]
+    assert all(r["gen0_count"] >= 0 and r["full_collect_ms"] >= 0 for r in data["rounds"])
+
+
 def test_stream_chunks_smoke(tmp_path):
     """The per-chunk timing, this tree against itself as the --before tree."""
     from benchmarks import stream_chunks

@@ -17,7 +17,7 @@ SOFT_LINES = 350  # (the code review of 2026-12: split by role, not by line coun
 FLOORS = [("chunklocal.cli", "chunklocal.server"), ("chunklocal.engine",), ("chunklocal.models",),
           ("chunklocal.backends",), ("chunklocal.bounds", "chunklocal.reference"),
           ("chunklocal.virtual_batches", "chunklocal.kv_spec", "chunklocal.kv_quant"),
-          ("chunklocal._validate", "chunklocal._threads")]
+          ("chunklocal._validate", "chunklocal._threads", "chunklocal._gc")]
 
 
 def floor_of(module: str) -> int:

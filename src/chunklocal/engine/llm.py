@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import torch
 
+from chunklocal._gc import freeze_startup_heap
 from chunklocal._validate import cdiv
 from chunklocal.backends.base import EngineLimits, Kind
 from chunklocal.backends.factory import BACKEND_DEVICES, resolve_backend
@@ -219,6 +220,7 @@ class LLM(OwnsWorkers):
         self._core = None
         self._core_lock = threading.Lock()
         self._local = threading.local()
+        freeze_startup_heap()  # a full collection now walks only what serving makes
 
     # -- construction -------------------------------------------------------------------------
     def _spec(self, kind, kv_dtype):

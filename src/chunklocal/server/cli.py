@@ -319,6 +319,9 @@ def main(args) -> int:
         core.shutdown()
         return 0
     state.set_core(core)
+    from chunklocal._gc import freeze_startup_heap
+
+    freeze_startup_heap()  # the web stack's heap too (the engine's froze when it was built)
     # uvicorn runs in a thread (it installs no signal handlers there); the main thread
     # handles signals.
     from chunklocal._threads import name_os_thread
