@@ -220,12 +220,17 @@ def summarize(clients, records, wall, max_tokens) -> dict:
     done = [r for _, r in records if _problem(r, max_tokens) is None]
     ttft = [r["ttft"] for r in done]
     itl = [g for r in done for g in r["itl"]]
+    itl_p50 = percentile(itl, 50)
     return {"clients": clients, "requests": len(records), "completed": len(done),
             "failed": len(records) - len(done), "wall_s": wall,
             "requests_per_s": len(done) / wall,
             "output_tokens_per_s": len(done) * max_tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
-            "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
+            "itl_p50_ms": 1e3 * itl_p50, "itl_p90_ms": 1e3 * percentile(itl, 90),
+            "itl_p99_ms": 1e3 * percentile(itl, 99),
+            "itl_max_ms": 1e3 * max(itl, default=float("nan")),
+            # issue 24's ITL target is p99 <= 2 x p50: the share of gaps past 2 x p50
+            "itl_over_2x_p50": sum(g > 2 * itl_p50 for g in itl) / max(len(itl), 1),
             "e2e_p50_s": percentile([r["e2e"] for r in done], 50),
             "cached_prompt_tokens": sum(r.get("cached") or 0 for r in done)}
 
