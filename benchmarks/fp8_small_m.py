@@ -138,12 +138,12 @@ def grouped_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
 
 
 def tuned(grouped: bool, n: int, k: int) -> dict:
-    """The keywords of ``moe_triton.TUNED_TILES``' tile for a shape (the default tile for a
-    shape it does not name), whatever its switch says."""
-    from chunklocal.models.moe_triton import TUNED_TILES
+    """The keywords of ``moe_triton.TUNED_TILES``' tile for a shape, whatever its switch
+    says."""
+    from chunklocal.models.moe_triton import tile_for
 
-    tile = TUNED_TILES.get((grouped, n, k), DEFAULT_TILE)
-    return dict(zip(("block_n", "block_k", "num_warps", "num_stages"), tile, strict=True))
+    return dict(zip(("block_n", "block_k", "num_warps", "num_stages"),
+                    tile_for(grouped, n, k, tuned=True), strict=True))
 
 
 def with_quant_kernel(fn):

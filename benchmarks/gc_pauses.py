@@ -60,9 +60,7 @@ def set_mode(mode: str) -> None:
 
     gc.unfreeze()
     if mode == "frozen":
-        os.environ["CHUNKLOCAL_GC_FREEZE"] = "1"
-        _gc.freeze_startup_heap()
-        os.environ["CHUNKLOCAL_GC_FREEZE"] = "0"
+        _gc.freeze_startup_heap(enabled=True)
 
 
 def one_round(llm, mode, args, rng, kept: dict) -> dict:

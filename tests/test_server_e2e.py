@@ -398,7 +398,8 @@ def test_load_test_script_against_the_server(server, tmp_path):
     # the prefix cache served none of them (one shared set made level 2 all hits).
     assert [r["cached_prompt_tokens"] for r in data["rows"]] == [0, 0]
     assert all(r["itl_p50_ms"] <= r["itl_p90_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
-               and 0 <= r["itl_over_2x_p50"] < 0.5 for r in data["rows"])
+               and (r["itl_over_2x_p50"] > 0) == (r["itl_max_ms"] > 2 * r["itl_p50_ms"])
+               for r in data["rows"])
     after = server.metrics()
     assert after["vllm:generation_tokens_total"] - before[
         "vllm:generation_tokens_total"] >= (3 + 2 * 8) * 8  # the warm-up's 3 untimed

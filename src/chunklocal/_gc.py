@@ -24,10 +24,12 @@ import os
 _unfreeze_at_exit = False
 
 
-def freeze_startup_heap() -> bool:
-    """Collect, then freeze every live object; False (nothing done) with the switch off."""
+def freeze_startup_heap(enabled: bool | None = None) -> bool:
+    """Collect, then freeze every live object; False (nothing done) when not ``enabled``
+    (None: the switch)."""
     global _unfreeze_at_exit
-    if os.environ.get("CHUNKLOCAL_GC_FREEZE", "1") == "0":
+    if not (os.environ.get("CHUNKLOCAL_GC_FREEZE", "1") != "0" if enabled is None
+            else enabled):
         return False
     gc.unfreeze()  # what an earlier call froze and has died since is collected now
     gc.collect()

@@ -251,10 +251,12 @@ TUNED_TILES = {
 TUNED_TILES_ENABLED = os.environ.get("CHUNKLOCAL_FP8_TUNED_TILES", "0") == "1"
 
 
-def tile_for(grouped: bool, n_dim: int, k_dim: int) -> tuple[int, int, int, int]:
+def tile_for(grouped: bool, n_dim: int, k_dim: int,
+             tuned: bool | None = None) -> tuple[int, int, int, int]:
     """The tile ``fp8_grouped_mm_small`` launches for a shape when its caller names none:
-    :data:`TUNED_TILES`' entry with the switch on, else :data:`DEFAULT_TILE`."""
-    if TUNED_TILES_ENABLED:
+    :data:`TUNED_TILES`' entry (:data:`DEFAULT_TILE` for a shape it does not name) when
+    ``tuned`` (None: :data:`TUNED_TILES_ENABLED`), else :data:`DEFAULT_TILE`."""
+    if TUNED_TILES_ENABLED if tuned is None else tuned:
         return TUNED_TILES.get((grouped, n_dim, k_dim), DEFAULT_TILE)
     return DEFAULT_TILE
 
