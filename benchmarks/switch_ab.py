@@ -12,12 +12,13 @@ fifteenth session's single runs of one tree moved by up to 9%) does not decide: 
 inside the spread of the repeats is reported as such.
 
     python -m benchmarks.switch_ab --model scout-fp8 --batch 1 --repeats 5 \\
-        --switches reduce slots gather silu kv16
+        --switches reduce slots gather silu kv16 shared
     python -m benchmarks.switch_ab --smoke          # CPU: eager steps, checks the logic
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import statistics
 import sys
@@ -44,14 +45,62 @@ SWITCHES = {
     "kv16": ("chunklocal.models.kv_write_triton", "KV_WRITE_16BIT_ENABLED"),
     "norm": ("chunklocal.models.norm_triton", "NORM_ENABLED"),
 }
+#: name: (attribute of every MoE layer, the value flipped to) of switches each layer holds.
+#: "shared": the shared expert as group E of the routed GEMMs on steps of up to 16 tokens
+#: (``moe.SHARED_GROUP_TOKENS``).  With it named the engine loads with the shared expert
+#: stacked into the experts (``moe.STACK_SHARED``), so its defaults run the shared expert
+#: as dense GEMMs on the stacked slot: the kernels of a shared expert of its own.
+LAYER_SWITCHES = {"shared": ("fuse_max_tokens", 16)}
 WARMUP = 2  # steps after each capture before the timed ones
 
 
 def flipped(name: str):
-    """(module, attribute, default value) of switch ``name``."""
+    """(module, attribute, default value) of module switch ``name``."""
     module_name, attr = SWITCHES[name]
     module = importlib.import_module(module_name)
     return module, attr, getattr(module, attr)
+
+
+def moe_layers(llm) -> list:
+    from chunklocal.models.moe import MoE
+
+    return [m for m in llm.model.modules() if isinstance(m, MoE)]
+
+
+def flip(llm, name: str):
+    """Flip switch ``name`` on the loaded engine; returns what puts it back."""
+    if name in LAYER_SWITCHES:
+        attr, value = LAYER_SWITCHES[name]
+        layers = moe_layers(llm)
+        before = [getattr(m, attr) for m in layers]
+        for layer in layers:
+            setattr(layer, attr, value)
+        return lambda: [setattr(m, attr, v) for m, v in zip(layers, before, strict=True)]
+    module, attr, default = flipped(name)
+    setattr(module, attr, not default)
+    return lambda: setattr(module, attr, default)
+
+
+@contextlib.contextmanager
+def stacked_shared(on: bool):
+    """Engines loaded inside stack the shared expert into the experts when ``on``."""
+    from chunklocal.models import moe
+
+    before = moe.STACK_SHARED
+    moe.STACK_SHARED = before or on
+    try:
+        yield
+    finally:
+        moe.STACK_SHARED = before
+
+
+def describe(name: str) -> str:
+    """The setting a flipped row ran with."""
+    if name in LAYER_SWITCHES:
+        attr, value = LAYER_SWITCHES[name]
+        return f"MoE.{attr}={value}"
+    module, attr, default = flipped(name)
+    return f"{module.__name__.rsplit('.', 1)[-1]}.{attr}={not default}"
 
 
 def timed(llm, steps: int, device) -> dict:
@@ -72,13 +121,12 @@ def rounds(llm, names: list[str], repeats: int, steps: int, device) -> dict[str,
     for _ in range(repeats):
         runs["defaults"].append(timed(llm, steps, device))
         for name in names:
-            module, attr, default = flipped(name)
-            setattr(module, attr, not default)
+            restore = flip(llm, name)
             try:
                 llm.runner.recapture_graphs()
                 runs[name].append(timed(llm, steps, device))
             finally:
-                setattr(module, attr, default)
+                restore()
                 llm.runner.recapture_graphs()
     return runs
 
@@ -92,8 +140,7 @@ def summary(runs: dict[str, list[dict]], names: list[str], base: dict) -> list[d
     for label, measured in runs.items():
         row = dict(base, variant=label)
         if label != "defaults":
-            module, attr, default = flipped(label)
-            row["switch"] = f"{module.__name__.rsplit('.', 1)[-1]}.{attr}={not default}"
+            row["switch"] = describe(label)
         for key in ("step_ms", "replay_ms"):
             values = [m[key] for m in measured if m[key] is not None]
             if not values:
@@ -116,7 +163,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--switches", nargs="+", choices=sorted(SWITCHES),
+    parser.add_argument("--switches", nargs="+", choices=sorted(SWITCHES | LAYER_SWITCHES),
                         default=["reduce", "slots"])
     args = parser.parse_args(argv)
     args.repeats = 5 if args.repeats is None else args.repeats  # rounds (base_parser's flag)
@@ -134,7 +181,8 @@ def main(argv=None) -> int:
     name = "switch_ab_smoke" if args.smoke else "switch_ab"
     with tempfile.TemporaryDirectory() as tmp, floors.BalancedRouting():
         path = decode_floor.write_config(Path(tmp) / args.model, args.model)
-        llm = decode_floor.make_llm_with_kv(path, device, args.batch, max_model_len)
+        with stacked_shared("shared" in names):
+            llm = decode_floor.make_llm_with_kv(path, device, args.batch, max_model_len)
         try:
             fitted = decode_floor.fill(llm, args.batch, args.context, new)
             if fitted != args.batch:

@@ -487,6 +487,33 @@ def test_switch_ab_smoke(tmp_path, monkeypatch):
     assert all(r["floor_ms"] > 0 and r["step_ms_median"] > 0 for r in rows)
 
 
+def test_switch_ab_flips_the_shared_expert_group_on_every_moe_layer(tmp_path, monkeypatch):
+    """The "shared" switch: the engine loads with the shared expert stacked into the
+    experts (and the module setting is put back after loading), its defaults run the slot
+    as dense GEMMs (threshold 0) and the flipped rounds as group E of steps up to 16
+    tokens, on every MoE layer; each round ends with the threshold put back."""
+    from benchmarks import switch_ab
+    from chunklocal.engine.model_runner import ModelRunner
+    from chunklocal.models import moe
+
+    seen, real_timed = [], switch_ab.timed
+
+    def recording(llm, steps, device):
+        layers = switch_ab.moe_layers(llm)
+        assert layers and all(m.stacked for m in layers)
+        seen.append({m.fuse_max_tokens for m in layers})
+        return real_timed(llm, steps, device)
+
+    monkeypatch.setattr(switch_ab, "timed", recording)
+    monkeypatch.setattr(ModelRunner, "recapture_graphs", lambda self: None)
+    assert not moe.STACK_SHARED
+    assert switch_ab.main(["--smoke", "--switches", "shared", "--out", str(tmp_path)]) == 0
+    assert not moe.STACK_SHARED
+    assert seen == [{0}, {16}] * 2
+    rows = _load(tmp_path / "switch_ab_smoke.json")["rows"]
+    assert rows[1]["switch"] == "MoE.fuse_max_tokens=16"
+
+
 def test_engine_core_smoke(tmp_path):
     """benchmarks/engine_core.py: step breakdown, sampling cases and the sampler alone."""
     from benchmarks import engine_core

@@ -181,6 +181,69 @@ def test_fbgemm_fp8_maverick(tmp_path):
     check_tokens(llm, fp8_oracle(hf, tensors, scale_ub=1200.0), PROMPTS, None)
 
 
+def fp8_layout(scout, tmp_path, layout):
+    """(checkpoint dir, its fake-quant oracle): Scout as compressed-tensors FP8-dynamic, or
+    Maverick as fbgemm_fp8 (activation cap 1200, dense and MoE layers interleaved)."""
+    if layout == "compressed-tensors":
+        hf = scout[0]
+        tensors, qc = compressed_tensors_fp8(hf)
+        path = write_published(tmp_path, SCOUT, tensors, multimodal=True,
+                               quantization_config=qc)
+        return path, fp8_oracle(hf, read_tensors(path))
+    hf = hf_model(MAVERICK, seed=2)
+    path = write_maverick_fbgemm(tmp_path, hf)
+    return path, fp8_oracle(hf, read_tensors(path), scale_ub=1200.0)
+
+
+@pytest.mark.parametrize("group_tokens", [4, 10**6], ids=["decode-steps", "every-step"])
+@pytest.mark.parametrize("layout", ["compressed-tensors", "fbgemm_fp8"])
+def test_fp8_shared_expert_as_a_group_of_the_experts(scout, tmp_path, monkeypatch, layout,
+                                                     group_tokens):
+    """moe.SHARED_GROUP_TOKENS: the FP8 shared expert stacked into slot E of the experts
+    (its bytes, per-channel scales and the experts' activation cap) runs as group E of the
+    grouped GEMMs on steps of at most that many tokens, and as FP8 dense GEMMs on the slot
+    beyond; the tokens stay the fake-quant oracle's.  With a threshold of 4, the prefill
+    steps (up to 32 tokens) take the dense path and the decode steps (3 sequences) the
+    group."""
+    from chunklocal.models import moe
+    from chunklocal.models.moe import MoE
+
+    path, oracle = fp8_layout(scout, tmp_path, layout)
+    monkeypatch.setattr(moe, "STACK_SHARED", True)
+    monkeypatch.setattr(moe, "FUSE_MAX_TOKENS", group_tokens)
+    llm = engine(path)
+    layers = [m for m in llm.model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        ex = layer.experts
+        assert layer.stacked and layer.shared_expert is None
+        assert ex.w13.dtype == ex.w2.dtype == torch.float8_e4m3fn
+        assert ex.w13.shape[0] == ex.w2.shape[0] == ex.w13_scale.shape[0] == \
+            ex.w2_scale.shape[0] == layer.num_experts + 1
+    groups, dense = [], []
+    real_sort, real_shared = moe.sort_by_expert, MoE._shared
+    monkeypatch.setattr(moe, "sort_by_expert",
+                        lambda e, n: groups.append(n) or real_sort(e, n))
+    monkeypatch.setattr(MoE, "_shared", lambda self, x: dense.append(1) or real_shared(self, x))
+    check_tokens(llm, oracle, PROMPTS, None)
+    assert layers[0].num_experts + 1 in groups  # group E ran
+    assert bool(dense) == (group_tokens == 4)   # and the dense slot past the threshold
+
+
+def test_fp8_shared_expert_with_another_activation_cap_is_not_stacked(tmp_path):
+    """A shared expert whose FP8 layers quantize under another activation cap than the
+    experts' would not get its own bits as group E: stack_shared refuses, changing nothing."""
+    from chunklocal.models.moe import MoE
+
+    llm = engine(write_maverick_fbgemm(tmp_path, hf_model(MAVERICK, seed=2)))
+    layer = next(m for m in llm.model.modules() if isinstance(m, MoE))
+    layer.experts.act_scale_ub = 600.0
+    w13 = layer.experts.w13
+    assert not layer.stack_shared()
+    assert layer.shared_expert is not None and layer.experts.w13 is w13
+    layer.experts.act_scale_ub = 1200.0
+    assert layer.stack_shared() and layer.experts.w13.shape[0] == layer.num_experts + 1
+
+
 def test_fp8_oracle_is_not_the_float_model(scout, tmp_path):
     """The FP8 checks can fail: the FP8 engine's logits differ from the float model's
     by far more than from the fake-quantized oracle's."""

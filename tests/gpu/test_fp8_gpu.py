@@ -313,6 +313,34 @@ def test_fp8_tokens_equal_with_the_moe_fused_quantization(trained, tmp_path, gra
     assert calls and got == want
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@torch.inference_mode()
+def test_fp8_tokens_match_the_oracle_with_the_shared_expert_as_a_group(trained, tmp_path,
+                                                                       graphs, monkeypatch):
+    """moe.SHARED_GROUP_TOKENS = 16: the FP8 shared expert stacked into the experts runs as
+    group E of the split-K kernel on decode steps (up to 8 rows here) and as FP8 dense GEMMs
+    on the slot beside torch's grouped GEMM on prefill steps (up to 512 tokens); the
+    fbgemm layout's activation cap included, the tokens are the fake-quant oracle's."""
+    from chunklocal.models import moe, moe_triton
+
+    hf, text = trained
+    path, ub = fp8_checkpoint(hf, text, tmp_path, "fbgemm_fp8")
+    oracle = fp8_oracle(hf, read_tensors(path), scale_ub=ub).cuda()
+    monkeypatch.setattr(moe, "STACK_SHARED", True)
+    monkeypatch.setattr(moe, "FUSE_MAX_TOKENS", 16)
+    prompts = copy_prompts(LENGTHS, seed=1, vocab=128)
+    groups, real = [], moe_triton.fp8_grouped_mm_small  # calls at capture time count
+    monkeypatch.setattr(moe_triton, "fp8_grouped_mm_small",
+                        lambda x, w, *a, **k: groups.append(w.shape[0]) or real(x, w, *a, **k))
+    llm = chunklocal.LLM(path, device="cuda", max_num_seqs=8, max_num_batched_tokens=512,
+                         max_model_len=512, cuda_graphs=graphs)
+    layer = llm.model.layers[1].feed_forward
+    assert layer.stacked and layer.experts.w13.shape[0] == layer.num_experts + 1
+    outs = llm.generate(prompts, max_new_tokens=NEW, ignore_eos=True)
+    assert layer.num_experts + 1 in groups  # group E through the split-K kernel
+    check_report(oracle_report(llm, oracle, prompts, outs, top_k=text["num_experts_per_tok"]))
+
+
 def check_report(report) -> None:
     """The same tokens as the oracle, free-running (the issue's bar: every choice of this
     model is clear, so rounding has nothing to flip), and teacher-forced position by

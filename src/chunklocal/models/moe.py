@@ -34,6 +34,7 @@ from torch import nn
 
 from chunklocal.models.fused import GatedMLPBase, gated_act, is_silu
 from chunklocal.models.parallel import SINGLE, ShardRule, TPGroup, column_parallel, row_parallel
+from chunklocal.models.quant import Fp8Linear, fp8_linear
 from chunklocal.models.quant_triton import (
     QuantRows,
     quant_available,
@@ -45,11 +46,22 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 
 # How loaded models run their MoE layers (see :func:`configure`), chosen from
 # benchmarks/moe.py on the H200 (BENCHMARKS.md, "MoE layer"): stacking or fusing the shared
-# expert measured no faster, so both stay off; the Triton kernel beats torch._grouped_mm
-# while experts average at most 16 rows each (it reads each touched expert once per N-tile
-# without padding rows up to the grouped GEMM's tile), and loses beyond.
-STACK_SHARED = False    # shared expert into slot E of the stacks (float weights)
-FUSE_MAX_TOKENS = 0     # steps up to this many tokens run it as group E
+# expert measured no faster in bf16 (torch._grouped_mm), so both stay off; the Triton kernel
+# beats torch._grouped_mm while experts average at most 16 rows each (it reads each touched
+# expert once per N-tile without padding rows up to the grouped GEMM's tile), and loses beyond.
+#
+#: The shared expert as one more group of the routed experts' GEMMs on steps of at most this
+#: many tokens (0: never; ``CHUNKLOCAL_MOE_SHARED_GROUP_TOKENS``).  For FP8 decode steps the
+#: shared expert runs apart as four GEMM launches (each with its split-K sum and cast), a
+#: quantization, an activation and an add: about ten of a layer's kernels, 480 a full-size
+#: Scout step, which at batch 1 run below a few microseconds each (BENCHMARKS.md, fifteenth
+#: session: 192 FP8 GEMM launches, 0.74 ms of quantization).  As group E its rows share the
+#: routed rows' quantization (score 1) and the two split-K launches.  16: the split-K
+#: kernel's row tile (``moe_triton.FP8_BLOCK_M``), past which it re-reads the weights.
+#: Off until an H200 A/B measures it (``benchmarks/switch_ab.py --switches shared``).
+SHARED_GROUP_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_SHARED_GROUP_TOKENS", "0"))
+STACK_SHARED = SHARED_GROUP_TOKENS > 0  # shared expert into slot E of the stacks
+FUSE_MAX_TOKENS = SHARED_GROUP_TOKENS   # steps up to this many tokens run it as group E
 TRITON_PAIRS_PER_EXPERT = 16  # steps up to this many (token, expert) pairs per expert
 #: Longer steps run the block in slices of this many tokens (each token's output is its own),
 #: so the memory profile's peak (reserved for good, engine/memory.py) holds one slice's
@@ -346,20 +358,34 @@ class MoE(nn.Module):
     @torch.no_grad()
     def stack_shared(self) -> bool:
         """Move the shared expert into slot E of ``w13``/``w2`` (one copy of the stacks).
-        Only for float weights of one dtype; returns whether it stacked."""
+        Float weights of the experts' dtype, or FP8 ones (with their per-channel scales,
+        the experts' activation cap, one rank); returns whether it stacked.
+
+        Exact: slot E's rows are the shared expert's rows, and its input the experts'
+        quantization of ``x`` with score 1 (``x * 1`` is ``x``), the bits its own layer
+        quantizes; only the split of the sums over K can differ."""
         ex, sh = self.experts, self.shared_expert
         if self.stacked or sh is None:
             return self.stacked
-        gate_up = sh.gate_up_proj.get_parameter("weight") if sh.gate_up_proj is not None \
-            else torch.cat([sh.gate_proj.get_parameter("weight"),  # not fused at load
-                            sh.up_proj.get_parameter("weight")])
-        if ex.w13_scale is not None or ex.w13.dtype != gate_up.dtype \
-                or ex.w13.shape[1] != gate_up.shape[0]:  # "ep": whole experts
+        parts = ((sh.gate_up_proj,) if sh.gate_up_proj is not None
+                 else (sh.gate_proj, sh.up_proj))  # not fused at load
+        linears = (*parts, sh.down_proj)
+        fp8 = ex.w13_scale is not None
+        if fp8 and (self.tp.size > 1 or not all(
+                isinstance(m, Fp8Linear) and m.bias is None
+                and m.act_scale_ub == getattr(ex, "act_scale_ub", None) for m in linears)):
             return self.stacked
-        w13 = gate_up.unsqueeze(0)
-        ex.w13 = nn.Parameter(torch.cat([ex.w13, w13]), requires_grad=False)
-        ex.w2 = nn.Parameter(torch.cat([ex.w2, sh.down_proj.weight.unsqueeze(0)]),
-                             requires_grad=False)
+        weight = [m.get_parameter("weight") for m in linears]
+        if any(w.dtype != ex.w13.dtype for w in weight) \
+                or sum(w.shape[0] for w in weight[:-1]) != ex.w13.shape[1]:  # "ep"
+            return self.stacked
+        gate_up = stack([*weight[:-1]])
+        ex.w13 = nn.Parameter(stack([ex.w13, gate_up.unsqueeze(0)]), requires_grad=False)
+        ex.w2 = nn.Parameter(stack([ex.w2, weight[-1].unsqueeze(0)]), requires_grad=False)
+        if fp8:
+            scales = [m.weight_scale.reshape(-1).float() for m in linears]
+            ex.w13_scale = torch.cat([ex.w13_scale, torch.cat(scales[:-1]).unsqueeze(0)])
+            ex.w2_scale = torch.cat([ex.w2_scale, scales[-1].unsqueeze(0)])
         self.shared_expert, self.stacked = None, True
         return True
 
@@ -394,6 +420,8 @@ class MoE(nn.Module):
         # this block's peak for good (engine/memory.py), and on full-size Scout FP8 the
         # gate/up product held on through the shared expert (benchmarks/activation_peak.py).
         w13, w2 = ex.w13[:num_groups], ex.w2[:num_groups]
+        s13, s2 = (None, None) if ex.w13_scale is None else \
+            (ex.w13_scale[:num_groups], ex.w2_scale[:num_groups])
         small = order.shape[0] <= self.triton_max_pairs
         ub = getattr(ex, "act_scale_ub", None)
         pair_score = score.reshape(-1)[order]  # Llama-4 scales the input
@@ -402,7 +430,7 @@ class MoE(nn.Module):
             routed_in = QuantRows(*quantize_rows(x, ub, token, pair_score), x.dtype)
         else:
             routed_in = x[token] * pair_score.view(-1, 1)
-        gate_up = expert_mm(routed_in, w13, offs, ex.w13_scale, small, ub)
+        gate_up = expert_mm(routed_in, w13, offs, s13, small, ub)
         del routed_in
         # "tp": each rank holds a slice of every pair's w2 input (routing is the same on
         # every rank, so row i is the same pair everywhere): FP8 scales it by its full amax
@@ -413,7 +441,7 @@ class MoE(nn.Module):
         else:
             inner = gated_act(gate_up, self.act)
         del gate_up
-        rows = expert_mm(inner, w2, offs, ex.w2_scale, small, ub, split)
+        rows = expert_mm(inner, w2, offs, s2, small, ub, split)
         del inner
         per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
         del rows
@@ -426,5 +454,18 @@ class MoE(nn.Module):
     def _shared(self, x):
         if not self.stacked:
             return self.shared_expert(x)
-        return F.linear(gated_act(F.linear(x, self.experts.w13[-1]), self.act),
-                        self.experts.w2[-1])
+        ex = self.experts
+        if ex.w13_scale is None:
+            return F.linear(gated_act(F.linear(x, ex.w13[-1]), self.act), ex.w2[-1])
+        ub = getattr(ex, "act_scale_ub", None)  # FP8: as the shared expert's own layers
+        inner = gated_act(fp8_linear(x, ex.w13[-1], ex.w13_scale[-1], act_scale_ub=ub),
+                          self.act)
+        return fp8_linear(inner, ex.w2[-1], ex.w2_scale[-1], act_scale_ub=ub)
+
+
+def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` along dim 0, float8 tensors as their bytes (a copy every device's cat
+    does for uint8, as models/fused.py concatenates FP8 projections)."""
+    if tensors[0].dtype not in FP8_DTYPES:
+        return torch.cat(tensors)
+    return torch.cat([t.view(torch.uint8) for t in tensors]).view(tensors[0].dtype)
