@@ -63,7 +63,7 @@ def run_in_interpreter(script: str) -> None:
     for switch in ("CHUNKLOCAL_FP8_TRITON", "CHUNKLOCAL_FP8_QUANT_TRITON",
                    "CHUNKLOCAL_NORM_TRITON", "CHUNKLOCAL_FP8_SPLITK_REDUCE",
                    "CHUNKLOCAL_FP8_ROUTED_SLOTS", "CHUNKLOCAL_MOE_GATHER_QUANT",
-                   "CHUNKLOCAL_MOE_SILU_QUANT"):
+                   "CHUNKLOCAL_MOE_SILU_QUANT", "CHUNKLOCAL_FP8_QUANT_ONE_PASS"):
         env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
@@ -366,6 +366,55 @@ QUANT_SCRIPT = textwrap.dedent("""
     assert torch.equal(on, fp8_linear(x, w, w_scale))
     print("ok")
 """)
+
+
+ONE_PASS_SCRIPT = textwrap.dedent("""
+    import torch
+    from chunklocal.models import quant_triton
+
+    assert not quant_triton.ONE_PASS_ENABLED  # off by default (=1 turns it on)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 100, generator=gen) * 30   # K not a power of two: masked lanes
+    x[3] = 0.0                                    # the amax floor
+    x[4, 17] = -5000.0                            # an amax the cap of 112 cuts
+    gate_up = torch.randn(5, 2 * 100, generator=gen) * 4
+    rows, rs = torch.tensor([6, 0, 0, 4, 3]), torch.rand(5, generator=gen) + 0.25
+    quant_triton.MAX_BLOCK_K = 32  # the two-pass form: four loads of each row, twice
+    launches, real = [], quant_triton._quantize_rows_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((kwargs["ONE_PASS"], kwargs["BLOCK_K"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    quant_triton._quantize_rows_kernel = Spy()
+    forms = [lambda ub: quant_triton.quantize_rows(x, ub),
+             lambda ub: quant_triton.quantize_rows(x, ub, rows, rs),
+             lambda ub: quant_triton.silu_mul_quantize(gate_up, ub)]
+    for form in forms:
+        for ub in (None, 112.0):
+            quant_triton.ONE_PASS_ENABLED = False
+            want_q, want_s = form(ub)
+            quant_triton.ONE_PASS_ENABLED = True
+            got_q, got_s = form(ub)
+            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), ub
+            assert torch.equal(got_s, want_s), ub
+    assert launches == [(False, 32), (True, 128)] * 6, launches
+    quant_triton.ONE_PASS_MAX_K = 64  # rows longer than the bound keep two passes
+    launches.clear()
+    forms[0](None)
+    assert launches == [(False, 32)], launches
+    print("ok")
+""")
+
+
+def test_one_pass_quantization_gives_the_two_pass_bits_in_interpreter():
+    """quant_triton.ONE_PASS_ENABLED: a row held in registers quantizes to the two-pass
+    form's bytes and scales in every form (plain, capped, gathered and scaled, SiLU
+    product), with masked lanes and the amax floor; rows past ONE_PASS_MAX_K keep two."""
+    run_in_interpreter(ONE_PASS_SCRIPT)
 
 
 def test_fp8_quantization_kernel_in_interpreter():

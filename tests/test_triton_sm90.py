@@ -107,6 +107,19 @@ def test_quantization_kernel_every_form(recorded):
     compile_all(recorded["_quantize_rows_kernel"], 4)
 
 
+def test_one_pass_quantization_kernel_every_form(recorded, monkeypatch):
+    """The one-pass form (rows of up to 8192 held in registers, 16 warps) compiles for
+    sm_90 in every form, at Scout's hidden size and inner size."""
+    monkeypatch.setattr(quant_triton, "ONE_PASS_ENABLED", True)
+    x = torch.zeros(3, 5120, dtype=BF16)
+    quant_triton.quantize_rows(x)
+    quant_triton.quantize_rows(x, 1200.0, torch.tensor([2, 0]), torch.ones(2, dtype=BF16))
+    quant_triton.silu_mul_quantize(torch.zeros(3, 2 * 8192, dtype=BF16), 2.0)
+    assert [kw["ONE_PASS"] for _, _, kw in recorded["_quantize_rows_kernel"].launches] == \
+        [True] * 3
+    compile_all(recorded["_quantize_rows_kernel"], 3)
+
+
 @pytest.mark.parametrize("reduce", [False, True], ids=["sum", "reduce"])
 @pytest.mark.parametrize("slots", [False, True], ids=["per-expert", "routed-slots"])
 def test_fp8_split_k_kernel_every_form(recorded, reduce, slots):

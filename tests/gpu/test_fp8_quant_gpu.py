@@ -96,3 +96,30 @@ def test_silu_mul_quantize_against_the_products_quantization(inner, ub):
     same = (q.view(torch.uint8) == wq.view(torch.uint8)).float().mean().item()
     assert same >= 0.999, same
     assert torch.allclose(s, ws, rtol=2.0 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("k", [100, 5120, 8192])
+@pytest.mark.parametrize("ub", [None, 2.0])
+def test_one_pass_gives_the_two_pass_bytes(k, ub, monkeypatch):
+    """quant_triton.ONE_PASS_ENABLED (rows held in registers, 16 warps at 8192): every
+    form's bytes and scales are the two-pass kernel's, eagerly and replayed in a CUDA graph
+    with new rows."""
+    x, gate_up = rows(16, k, seed=k), rows(16, 2 * k, seed=k + 1)
+    idx = torch.randint(0, 16, (24,), generator=torch.Generator().manual_seed(k)).cuda()
+    rs = (torch.rand(24, generator=torch.Generator().manual_seed(2)) + 0.25).bfloat16().cuda()
+    forms = [lambda: quant_triton.quantize_rows(x, ub),
+             lambda: quant_triton.quantize_rows(x, ub, idx, rs),
+             lambda: quant_triton.silu_mul_quantize(gate_up, ub)]
+    for form in forms:
+        monkeypatch.setattr(quant_triton, "ONE_PASS_ENABLED", False)
+        want = form()
+        monkeypatch.setattr(quant_triton, "ONE_PASS_ENABLED", True)
+        same_bits(form(), want)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = form()
+        x.copy_(rows(16, k, seed=k + 2))
+        gate_up.copy_(rows(16, 2 * k, seed=k + 3))
+        graph.replay()
+        monkeypatch.setattr(quant_triton, "ONE_PASS_ENABLED", False)
+        same_bits(out, form())

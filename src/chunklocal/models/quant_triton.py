@@ -57,6 +57,15 @@ def available(x: torch.Tensor) -> bool:
 #: full-size Scout FP8 decode 18.6 / 56.8 ms at batch 1 / 64 against 21.7 / 61.1 ms.
 QUANT_ENABLED = os.environ.get("CHUNKLOCAL_FP8_QUANT_TRITON", "1") == "1"
 MAX_BLOCK_K = 2048  # elements of a row per load (a Scout row of 5120: three loads)
+#: Rows of at most this many elements are read once, held in registers for the amax and
+#: quantized from there (one program of 16 warps: 16 float32 a thread at 8192), where the
+#: two-pass form loads each row three or four times over, twice: at a batch-1 step of
+#: full-size Scout FP8 a launch took 3.9 us (192 a step, 0.74 ms; BENCHMARKS.md, fifteenth
+#: session), latency more than bytes.  The same bits either way.  Off until an H200 A/B
+#: measures it (``CHUNKLOCAL_FP8_QUANT_ONE_PASS=1``; ``benchmarks/switch_ab.py --switches
+#: quant1``).
+ONE_PASS_ENABLED = os.environ.get("CHUNKLOCAL_FP8_QUANT_ONE_PASS", "0") == "1"
+ONE_PASS_MAX_K = 8192
 
 
 def quant_available(x: torch.Tensor) -> bool:
@@ -85,7 +94,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["scale_ub"])
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, rs_ptr, K, scale_ub, stride_xm,
                               stride_qm, HAS_UB: tl.constexpr, GATHER: tl.constexpr,
-                              SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr):
+                              SILU_MUL: tl.constexpr, ONE_PASS: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         if GATHER:
@@ -95,22 +105,30 @@ if triton is not None:
             src = row
             row_scale = 1.0
         x_row = x_ptr + src * stride_xm
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            xk = _quantize_rows_load(x_row, k, K, row_scale, GATHER, SILU_MUL)
-            amax = tl.maximum(amax, tl.abs(xk))
-        top = tl.max(amax, axis=0)
+        if ONE_PASS:  # BLOCK_K >= K: the row stays in registers (masked lanes hold 0)
+            held = _quantize_rows_load(x_row, ks, K, row_scale, GATHER, SILU_MUL)
+            top = tl.max(tl.abs(held), axis=0)
+        else:
+            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + ks
+                xk = _quantize_rows_load(x_row, k, K, row_scale, GATHER, SILU_MUL)
+                amax = tl.maximum(amax, tl.abs(xk))
+            top = tl.max(amax, axis=0)
         if HAS_UB:
             top = tl.minimum(top, scale_ub)
         # Every lane holds the row's scale (vectors only: the division is elementwise).
         zero = tl.zeros((BLOCK_K,), dtype=tl.float32)
         scale = tl.math.div_rn(tl.maximum(zero + top, 1e-12), zero + 448.0)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            xk = _quantize_rows_load(x_row, k, K, row_scale, GATHER, SILU_MUL)
-            xq = tl.minimum(tl.maximum(tl.math.div_rn(xk, scale), -448.0), 448.0)
-            tl.store(q_ptr + row * stride_qm + k, xq.to(tl.float8e4nv), mask=k < K)
+        if ONE_PASS:
+            xq = tl.minimum(tl.maximum(tl.math.div_rn(held, scale), -448.0), 448.0)
+            tl.store(q_ptr + row * stride_qm + ks, xq.to(tl.float8e4nv), mask=ks < K)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + ks
+                xk = _quantize_rows_load(x_row, k, K, row_scale, GATHER, SILU_MUL)
+                xq = tl.minimum(tl.maximum(tl.math.div_rn(xk, scale), -448.0), 448.0)
+                tl.store(q_ptr + row * stride_qm + k, xq.to(tl.float8e4nv), mask=k < K)
         tl.store(s_ptr + row + ks, scale, mask=ks == 0)
 
 
@@ -162,11 +180,14 @@ def _quantize(x, num_rows: int, k_dim: int, scale_ub, rows, row_scale, *, silu_m
     q = torch.empty(num_rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     if num_rows:
-        block_k = min(triton.next_power_of_2(k_dim), MAX_BLOCK_K)
+        one_pass = ONE_PASS_ENABLED and k_dim <= ONE_PASS_MAX_K
+        block_k = triton.next_power_of_2(k_dim)
+        if not one_pass:
+            block_k = min(block_k, MAX_BLOCK_K)
         gather = rows is not None
         _quantize_rows_kernel[(num_rows,)](
             x, q, scale, rows if gather else x, row_scale if gather else x, k_dim,
             0.0 if scale_ub is None else float(scale_ub), x.stride(0), q.stride(0),
-            HAS_UB=scale_ub is not None, GATHER=gather, SILU_MUL=silu_mul, BLOCK_K=block_k,
-            num_warps=4 if block_k <= 1024 else 8)
+            HAS_UB=scale_ub is not None, GATHER=gather, SILU_MUL=silu_mul, ONE_PASS=one_pass,
+            BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8 if block_k <= 4096 else 16)
     return q, scale
