@@ -195,6 +195,29 @@ def test_piecewise_graphs_equal_the_torch_backend(ckpt, hybrid, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_piecewise_buckets_stop_at_the_cap_and_longer_steps_run_eagerly(ckpt, monkeypatch):
+    """piecewise_graphs.MAX_TOKENS below the step budget: buckets up to the cap only, steps
+    past it through the eager forward, the tokens still the torch backend's."""
+    from chunklocal.bounds.sizing import piecewise_buckets
+    from chunklocal.engine import piecewise_graphs
+
+    assert piecewise_graphs.MAX_TOKENS == 2048  # the default (0: no cap)
+    assert piecewise_graphs.largest_bucket(8192) == 2048
+    assert piecewise_graphs.largest_bucket(512) == 512
+    monkeypatch.setattr(piecewise_graphs, "PIECEWISE_ENABLED", True)
+    monkeypatch.setattr(piecewise_graphs, "MAX_TOKENS", 32)
+    path, _ = ckpt
+    llm = StandinLLM(path, attention_backend="flashinfer", **ENGINE)
+    pw = llm.runner.piecewise
+    assert ENGINE["max_num_batched_tokens"] > 32 and pw.buckets == piecewise_buckets(32)
+    eager, forward = [], llm.model.forward
+    llm.model.forward = lambda ids, *a, **k: eager.append(ids.shape[0]) or forward(ids, *a, **k)
+    prompts = motif_prompts(2)
+    ref = chunklocal.LLM(path, attention_backend="torch", **ENGINE)
+    assert llm.generate(prompts, max_new_tokens=20) == ref.generate(prompts, max_new_tokens=20)
+    assert any(n > 32 for n in eager) and llm.runner.piecewise_steps > 0
+
+
 def test_piecewise_bucket_choice_and_a_step_past_the_largest(ckpt, monkeypatch):
     """PiecewiseGraphs.bucket_for: the smallest bucket holding the step, None for an empty
     step or one past the largest; run() refuses such a step naming both sizes."""

@@ -173,6 +173,25 @@ def copy_period(prompt) -> int:
                 if all(prompt[i] == prompt[i - p] for i in range(p, len(prompt))))
 
 
+def logits_and_routes(llm, seq) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``llm``'s prompt logits of ``seq`` through its own path, and its router logits per
+    MoE layer (``routing_logits``).  A graph replay calls no hook, so where prefill steps
+    replay piecewise graphs (CHUNKLOCAL_PIECEWISE_GRAPHS) the routes come from a second
+    prefill of ``seq`` with them set aside: the same kernels run eagerly (each segment
+    replays what the eager forward launched at capture)."""
+    runner = llm.runner
+    with routing_trace(llm.model) as routes:
+        logits = llm.prompt_logits([seq])[0]
+    if runner.piecewise is not None:
+        piecewise, runner.piecewise = runner.piecewise, None
+        try:
+            with routing_trace(llm.model) as routes:
+                llm.prompt_logits([seq])
+        finally:
+            runner.piecewise = piecewise
+    return logits, routing_logits(routes, len(seq))
+
+
 @torch.inference_mode()
 def oracle_report(llm, oracle, prompts, outs, top_k: int = 1) -> dict:
     """The engine's tokens ``outs`` against the oracle's, free-running and teacher-forced.
@@ -195,10 +214,9 @@ def oracle_report(llm, oracle, prompts, outs, top_k: int = 1) -> dict:
     for prompt, ref, out, seq in zip(prompts, refs, outs, seqs, strict=True):
         with routing_trace(oracle) as want_routes:
             want = oracle(torch.tensor([seq], device=oracle.device)).logits[0].float().cpu()
-        with routing_trace(llm.model) as got_routes:
-            eng = llm.prompt_logits([seq])[0]
-        flipped, closeness = routing_flips(routing_logits(want_routes, len(seq)),
-                                           routing_logits(got_routes, len(seq)), top_k)
+        eng, got_routes = logits_and_routes(llm, seq)
+        flipped, closeness = routing_flips(routing_logits(want_routes, len(seq)), got_routes,
+                                           top_k)
         top = want.topk(2, dim=-1)
         gap = top.values[:, 0] - top.values[:, 1]
         eng_gap = (eng.gather(1, top.indices[:, :1]) - eng.gather(1, top.indices[:, 1:]))[:, 0]
@@ -392,12 +410,10 @@ def kv_forced_report(ref, llm, prompts, want) -> dict:
     agree, errors, scale, flips = [], [], [], 0
     for prompt, cont in zip(prompts, want, strict=True):
         seq = prompt + cont
-        with routing_trace(ref.model) as ref_routes:
-            a = ref.prompt_logits([seq])[0].float()
-        with routing_trace(llm.model) as got_routes:
-            b = llm.prompt_logits([seq])[0].float()
-        flipped, _ = routing_flips(routing_logits(ref_routes, len(seq)),
-                                   routing_logits(got_routes, len(seq)), top_k)
+        a, ref_routes = logits_and_routes(ref, seq)
+        b, got_routes = logits_and_routes(llm, seq)
+        a, b = a.float(), b.float()
+        flipped, _ = routing_flips(ref_routes, got_routes, top_k)
         span = torch.arange(copy_period(prompt), len(seq) - 1)
         kept = span[~flipped[span]]
         flips += len(span) - len(kept)

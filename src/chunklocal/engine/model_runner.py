@@ -131,8 +131,8 @@ class ModelRunner(StepRunner):
         self._capture_whole_graphs()
         if (max_tokens and piecewise_graphs.PIECEWISE_ENABLED
                 and piecewise_graphs.supports(self.model)):
-            self.piecewise = piecewise_graphs.PiecewiseGraphs(self.model, max_tokens,
-                                                              self.device, recorder)
+            self.piecewise = piecewise_graphs.PiecewiseGraphs(
+                self.model, piecewise_graphs.largest_bucket(max_tokens), self.device, recorder)
 
     def _capture_whole_graphs(self) -> None:
         batch_sizes, query_lens, recorder = self._graph_args

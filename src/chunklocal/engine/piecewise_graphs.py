@@ -45,6 +45,20 @@ from chunklocal.models.llama4 import add_rms_norm
 
 #: The switch, read at import (``CHUNKLOCAL_PIECEWISE_GRAPHS=1`` turns it on).
 PIECEWISE_ENABLED = os.environ.get("CHUNKLOCAL_PIECEWISE_GRAPHS", "0") == "1"
+#: The largest bucket (``CHUNKLOCAL_PIECEWISE_MAX_TOKENS``): longer steps run eagerly.  The
+#: segments' static buffers and their pool are sized for the largest bucket, and capture
+#: time grows with the bucket count, so buckets up to an 8,192-token budget cost full-size
+#: Scout FP8 28.6 s of start-up and 13 of 291 sequences (BENCHMARKS.md, twelfth session).
+#: Steps past 2,048 tokens carry a prefill chunk whose GEMMs keep the device busy while the
+#: next step is built (overlapped eager steps), so their launches cost little; the serve
+#: runs that measured the gain (sixteenth and seventeenth sessions) had no longer steps.
+#: 0: no cap.  (vLLM caps its captured sizes too: ``max_capture_size``.)
+MAX_TOKENS = int(os.environ.get("CHUNKLOCAL_PIECEWISE_MAX_TOKENS", "2048"))
+
+
+def largest_bucket(max_num_batched_tokens: int) -> int:
+    """The token count of the largest piecewise bucket for an engine's step budget."""
+    return min(max_num_batched_tokens, MAX_TOKENS) if MAX_TOKENS else max_num_batched_tokens
 
 
 def supports(model) -> bool:
