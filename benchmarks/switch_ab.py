@@ -37,6 +37,7 @@ SWITCHES = {
     "reduce": ("chunklocal.models.moe_triton", "SPLITK_REDUCE_IN_KERNEL"),
     "slots": ("chunklocal.models.moe_triton", "ROUTED_SLOTS_ENABLED"),
     "tiles": ("chunklocal.models.moe_triton", "TUNED_TILES_ENABLED"),
+    "sum": ("chunklocal.models.moe_triton", "SPLITK_SUM_TRITON"),
     "fp8_gemm": ("chunklocal.models.moe_triton", "FP8_ENABLED"),
     "quant": ("chunklocal.models.quant_triton", "QUANT_ENABLED"),
     "quant1": ("chunklocal.models.quant_triton", "ONE_PASS_ENABLED"),

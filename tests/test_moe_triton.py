@@ -63,7 +63,8 @@ def run_in_interpreter(script: str) -> None:
     for switch in ("CHUNKLOCAL_FP8_TRITON", "CHUNKLOCAL_FP8_QUANT_TRITON",
                    "CHUNKLOCAL_NORM_TRITON", "CHUNKLOCAL_FP8_SPLITK_REDUCE",
                    "CHUNKLOCAL_FP8_ROUTED_SLOTS", "CHUNKLOCAL_MOE_GATHER_QUANT",
-                   "CHUNKLOCAL_MOE_SILU_QUANT", "CHUNKLOCAL_FP8_QUANT_ONE_PASS"):
+                   "CHUNKLOCAL_MOE_SILU_QUANT", "CHUNKLOCAL_FP8_QUANT_ONE_PASS",
+                   "CHUNKLOCAL_FP8_SPLITK_SUM"):
         env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
@@ -181,6 +182,59 @@ REDUCE_SCRIPT = textwrap.dedent("""
         raise AssertionError("no refusal past MAX_TILE_COUNTERS")
     print("ok")
 """)
+
+
+SUM_SCRIPT = textwrap.dedent("""
+    import torch
+    from chunklocal.models import moe_triton
+    from chunklocal.models.quant import FP8
+
+    assert not moe_triton.SPLITK_SUM_TRITON  # off by default (=1 turns it on)
+    gen = torch.Generator().manual_seed(4)
+    moe_triton.SUM_BLOCK = 64  # several programs, the last one masked
+    for splits in (2, 3, 5):
+        part = torch.randn(splits, 7, 45, generator=gen) * 1e3
+        want = part[0].clone()
+        for s in range(1, splits):  # in slice order (torch's sum may pair them up)
+            want += part[s]
+        got = moe_triton.splitk_sum(part, torch.float32)
+        assert got.shape == (7, 45) and torch.equal(got, want), splits
+        # bf16 out: the interpreter's cast may round where the GPU's rounds to nearest even
+        # (tests/gpu/test_fp8_triton_gpu.py holds the bits there): within one bf16 step
+        got = moe_triton.splitk_sum(part, torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7).all(), splits
+    try:
+        moe_triton.splitk_sum(part.transpose(1, 2), torch.bfloat16)
+    except ValueError as err:
+        assert "contiguous" in str(err)
+    else:
+        raise AssertionError("strided partials taken")
+    # through the GEMM: the switch on gives the switch-off output, and runs the kernel
+    e, n, k, m = 3, 40, 96, 11
+    w = (torch.randn(e, n, k, generator=gen) * 0.5).to(FP8)
+    w_scale = torch.rand(e, n, generator=gen) + 0.5
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    ends = torch.tensor([4, 4, 11], dtype=torch.int32)
+    calls, real = [], moe_triton.splitk_sum
+    moe_triton.splitk_sum = lambda *a: calls.append(1) or real(*a)
+    kw = dict(block_n=16, block_k=32, split_k=3)
+    want = moe_triton.fp8_grouped_mm_small(x, w, w_scale, ends, **kw)
+    moe_triton.SPLITK_SUM_TRITON = True
+    got = moe_triton.fp8_grouped_mm_small(x, w, w_scale, ends, **kw)
+    assert calls == [1] and got.dtype == torch.bfloat16
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -7).all()
+    moe_triton.fp8_grouped_mm_small(x, w, w_scale, ends, **dict(kw, split_k=1))
+    assert calls == [1]  # one slice: nothing to add, no launch
+    print("ok")
+""")
+
+
+def test_fp8_split_k_sum_and_cast_in_one_kernel():
+    """SPLITK_SUM_TRITON: the slices' float32 partials added in slice order and cast in one
+    launch give torch's ``part.sum(0).to(dtype)`` (several programs, a masked last one),
+    refuse strided partials, and leave the GEMM's output as it was."""
+    run_in_interpreter(SUM_SCRIPT)
 
 
 def test_fp8_kernel_adds_its_k_slices_itself():

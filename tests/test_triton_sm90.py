@@ -80,6 +80,7 @@ def recorded(monkeypatch):
     for module, name in ((quant_triton, "_quantize_rows_kernel"),
                          (moe_triton, "_fp8_splitk_kernel"),
                          (moe_triton, "_grouped_gemm_kernel"),
+                         (moe_triton, "_splitk_sum_kernel"),
                          (kv_write_triton, "_write_kv_kernel"),
                          (norm_triton, "_add_rms_norm_kernel"),
                          (norm_triton, "_rope_norm_kernel")):
@@ -138,6 +139,11 @@ def test_fp8_split_k_kernel_every_form(recorded, reduce, slots):
     compile_all(recorded["_quantize_rows_kernel"], 2)
 
 
+def test_split_k_sum_kernel(recorded):
+    moe_triton.splitk_sum(torch.zeros(4, 1, 5120), BF16)
+    compile_all(recorded["_splitk_sum_kernel"], 1)
+
+
 def test_float_grouped_kernel(recorded):
     offs = torch.tensor([1, 1, 3], dtype=torch.int32)
     moe_triton.grouped_mm_small(torch.zeros(3, 512, dtype=BF16),
@@ -180,4 +186,5 @@ def test_every_kernel_of_the_package_is_compiled_here():
                     "triton.jit" in ast.unparse(d) for d in node.decorator_list):
                 found.add(node.name)
     assert found == {"_quantize_rows_kernel", "_fp8_splitk_kernel", "_grouped_gemm_kernel",
+                     "_splitk_sum_kernel",
                      "_write_kv_kernel", "_add_rms_norm_kernel", "_rope_norm_kernel"}

@@ -190,3 +190,22 @@ def test_tuned_tiles_equal_cpu_reference(monkeypatch, shape, m):
             rows = slice(start, end)
             assert error_ratio(got[rows], x[rows], w[expert:expert + 1],
                                scale[expert:expert + 1], want[rows]) <= 1.0
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_split_k_sum_is_the_slice_order_sum_rounded_once(splits):
+    """moe_triton.splitk_sum (SPLITK_SUM_TRITON) on the device: float32 partials added in
+    slice order and rounded to bf16 once (round to nearest even), bit for bit, eagerly and
+    replayed in a CUDA graph."""
+    gen = torch.Generator(device="cuda").manual_seed(splits)
+    part = torch.randn(splits, 16, 5120, device="cuda", generator=gen) * 100
+    want = part[0].clone()
+    for s in range(1, splits):
+        want += part[s]
+    assert torch.equal(moe_triton.splitk_sum(part, torch.bfloat16), want.bfloat16())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_triton.splitk_sum(part, torch.bfloat16)
+    part.mul_(-0.5)
+    graph.replay()
+    assert torch.equal(out, (want * -0.5).bfloat16())

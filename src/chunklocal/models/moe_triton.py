@@ -326,8 +326,47 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
         num_warps=num_warps, num_stages=num_stages)
     if reduce:
         return out
+    if SPLITK_SUM_TRITON and split_k > 1:
+        return splitk_sum(part, dtype)
     out = part[0] if split_k == 1 else part.sum(0)
     return out.to(dtype)
+
+
+#: Whether :func:`fp8_grouped_mm_small` adds its K-slices' float32 partials and casts the
+#: sum to the output dtype in one Triton launch (:func:`splitk_sum`), where torch runs a
+#: sum and then a cast: at a batch-1 step of full-size Scout FP8 those were 192 launches
+#: each, 2.7 and 1.1 us (BENCHMARKS.md, fifteenth session).  The slices are added in slice
+#: order in float32, rounded once.  Off until an H200 A/B measures it
+#: (``CHUNKLOCAL_FP8_SPLITK_SUM=1``; ``benchmarks/switch_ab.py --switches sum``).
+SPLITK_SUM_TRITON = os.environ.get("CHUNKLOCAL_FP8_SPLITK_SUM", "0") == "1"
+SUM_BLOCK = 1024  # output elements per program
+
+
+if triton is not None:
+    @triton.jit
+    def _splitk_sum_kernel(part_ptr, out_ptr, numel, num_splits, stride_ps,
+                           BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < numel
+        total = tl.load(part_ptr + offs, mask=ok, other=0.0)
+        for s in range(1, num_splits):
+            total += tl.load(part_ptr + s * stride_ps + offs, mask=ok, other=0.0)
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def splitk_sum(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``part.sum(0).to(dtype)`` of float32 partials ``part [S, M, N]`` (contiguous), in
+    one launch: each element's slices added in slice order."""
+    if triton is None:
+        raise RuntimeError("splitk_sum needs Triton")
+    if not part.is_contiguous():
+        raise ValueError("splitk_sum needs contiguous partials")
+    out = torch.empty(part.shape[1:], dtype=dtype, device=part.device)
+    numel = out.numel()
+    if numel:
+        _splitk_sum_kernel[(triton.cdiv(numel, SUM_BLOCK),)](
+            part, out, numel, part.shape[0], part.stride(0), BLOCK=SUM_BLOCK, num_warps=4)
+    return out
 
 
 def fp8_linear_small(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
