@@ -141,6 +141,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=1 << 20)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--kv-cache-dtype", default="fp8")
+    parser.add_argument("--capacity-dtypes", nargs="+", choices=("auto", "fp8"),
+                        default=["auto", "fp8"], help="--part capacity: a row per KV dtype")
     # 1M tokens of FP8 KV (25.1 GiB) next to 105.2 GiB of weights need about 0.97
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.97)
     parser.add_argument("--max-seqs", type=int, default=1024)
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
         cases = [("long", lambda: long_row(path, device, args, progress))] \
             if args.part == "long" else [
             (f"capacity {d}", lambda d=d: capacity_row(path, device, d, args))
-            for d in ("auto", "fp8")]
+            for d in dict.fromkeys(args.capacity_dtypes)]
         for case, fn in cases:
             row = guarded(case, fn, errors)
             if row:

@@ -373,6 +373,10 @@ def test_long_context_smoke(tmp_path, monkeypatch, capsys):
     assert [r["kv_cache_dtype"] for r in rows] == ["auto", "fp8"]
     assert all(r["fit"] == r["asked"] == 6 and r["decode_ms"] > 0 for r in rows)
     assert all(r["memory_gib"] is None for r in rows)  # the CPU profiles nothing
+    assert long_context.main(["--smoke", "--part", "capacity", "--capacity-dtypes", "fp8",
+                              "--out", str(tmp_path)]) == 0
+    rows = _load(tmp_path / "long_context_capacity_smoke.json")["rows"]
+    assert [r["kv_cache_dtype"] for r in rows] == ["fp8"]
 
 
 def test_long_context_names_where_the_memory_went():
