@@ -59,6 +59,11 @@ MODELS = {
     "maverick4": (dict(FOUR, num_local_experts=128, interleave_moe_layer_step=2,
                        moe_layers=[1, 3]), None),
     "scout-fp8": ({}, FP8_DYNAMIC),
+    # Scout FP8's first 12 layers: every per-layer kernel at full size, in an H100's 80 GB
+    # (26 GB of layers); a per-layer A/B where no H200 is lent
+    "scout-fp8-12": (dict(num_hidden_layers=12, moe_layers=list(range(12)),
+                          no_rope_layers=[int((i + 1) % 4 != 0) for i in range(12)]),
+                     FP8_DYNAMIC),
     "smoke": (SMOKE_TEXT, None),
 }
 

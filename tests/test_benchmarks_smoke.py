@@ -966,3 +966,23 @@ def test_serve_routing_sets_the_servers_strategy_and_refuses_verify(tmp_path, mo
     assert moe.ROUTING_SIMULATION == "uniform_random"
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["text_config"]["num_hidden_layers"] == 48 and config["quantization_config"]
+
+
+def test_scout_fp8_12_is_scouts_first_twelve_layers(tmp_path):
+    """decode_floor's "scout-fp8-12": full-size Scout FP8's layers (every shape, the
+    chunked/global pattern, FP8-dynamic) cut to 12, so a per-layer A/B fits an H100."""
+    import json
+
+    from benchmarks import decode_floor
+
+    full = json.loads((decode_floor.write_config(tmp_path / "a", "scout-fp8")
+                       / "config.json").read_text())
+    cut = json.loads((decode_floor.write_config(tmp_path / "b", "scout-fp8-12")
+                      / "config.json").read_text())
+    assert cut["quantization_config"] == full["quantization_config"]
+    ft, ct = full["text_config"], cut["text_config"]
+    assert ct["num_hidden_layers"] == 12 and ct["moe_layers"] == list(range(12))
+    assert ct["no_rope_layers"] == ft["no_rope_layers"][:12]
+    same = {k for k in ft if k not in ("num_hidden_layers", "moe_layers", "no_rope_layers",
+                                       "layer_types")}
+    assert {k: ct[k] for k in same} == {k: ft[k] for k in same}
