@@ -307,6 +307,9 @@ class Experts(nn.Module):
         self.register_buffer("w13_scale", None)
         self.register_buffer("w2_scale", None)
 
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+
 
 class SharedExpert(GatedMLPBase):
     """transformers' ``Llama4TextMLP`` (names as in the checkpoint); tensor parallel: this
@@ -342,7 +345,7 @@ class MoE(nn.Module):
         #: This rank's experts are global ids [first_expert, first_expert + num_local).
         self.num_local = self.experts.w13.shape[0]
         self.first_expert = tp.rank * self.num_local if self.num_local != num_experts else 0
-        self.shared_expert = SharedExpert(hidden, inner, act, tp)
+        self.shared_expert: SharedExpert | None = SharedExpert(hidden, inner, act, tp)
         self.stacked = False            # shared expert is slot E of the stacks
         self.fuse_max_tokens = fuse_max_tokens
         # Steps of at most this many (token, expert) pairs use moe_triton's kernel where it
@@ -370,7 +373,8 @@ class MoE(nn.Module):
         parts = ((sh.gate_up_proj,) if sh.gate_up_proj is not None
                  else (sh.gate_proj, sh.up_proj))  # not fused at load
         linears = (*parts, sh.down_proj)
-        fp8 = ex.w13_scale is not None
+        s13, s2 = ex.w13_scale, ex.w2_scale
+        fp8 = s13 is not None and s2 is not None
         if fp8 and (self.tp.size > 1 or not all(
                 isinstance(m, Fp8Linear) and m.bias is None
                 and m.act_scale_ub == getattr(ex, "act_scale_ub", None) for m in linears)):
@@ -382,10 +386,10 @@ class MoE(nn.Module):
         gate_up = stack([*weight[:-1]])
         ex.w13 = nn.Parameter(stack([ex.w13, gate_up.unsqueeze(0)]), requires_grad=False)
         ex.w2 = nn.Parameter(stack([ex.w2, weight[-1].unsqueeze(0)]), requires_grad=False)
-        if fp8:
+        if s13 is not None and s2 is not None:
             scales = [m.weight_scale.reshape(-1).float() for m in linears]
-            ex.w13_scale = torch.cat([ex.w13_scale, torch.cat(scales[:-1]).unsqueeze(0)])
-            ex.w2_scale = torch.cat([ex.w2_scale, scales[-1].unsqueeze(0)])
+            ex.w13_scale = torch.cat([s13, torch.cat(scales[:-1]).unsqueeze(0)])
+            ex.w2_scale = torch.cat([s2, scales[-1].unsqueeze(0)])
         self.shared_expert, self.stacked = None, True
         return True
 
@@ -420,8 +424,9 @@ class MoE(nn.Module):
         # this block's peak for good (engine/memory.py), and on full-size Scout FP8 the
         # gate/up product held on through the shared expert (benchmarks/activation_peak.py).
         w13, w2 = ex.w13[:num_groups], ex.w2[:num_groups]
-        s13, s2 = (None, None) if ex.w13_scale is None else \
-            (ex.w13_scale[:num_groups], ex.w2_scale[:num_groups])
+        s13, s2 = ex.w13_scale, ex.w2_scale
+        if s13 is not None and s2 is not None:  # FP8: slot E's scales only when it runs
+            s13, s2 = s13[:num_groups], s2[:num_groups]
         small = order.shape[0] <= self.triton_max_pairs
         ub = getattr(ex, "act_scale_ub", None)
         pair_score = score.reshape(-1)[order]  # Llama-4 scales the input
@@ -452,15 +457,15 @@ class MoE(nn.Module):
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
     def _shared(self, x):
-        if not self.stacked:
+        if self.shared_expert is not None:  # not stacked
             return self.shared_expert(x)
         ex = self.experts
-        if ex.w13_scale is None:
+        s13, s2 = ex.w13_scale, ex.w2_scale
+        if s13 is None or s2 is None:
             return F.linear(gated_act(F.linear(x, ex.w13[-1]), self.act), ex.w2[-1])
         ub = getattr(ex, "act_scale_ub", None)  # FP8: as the shared expert's own layers
-        inner = gated_act(fp8_linear(x, ex.w13[-1], ex.w13_scale[-1], act_scale_ub=ub),
-                          self.act)
-        return fp8_linear(inner, ex.w2[-1], ex.w2_scale[-1], act_scale_ub=ub)
+        inner = gated_act(fp8_linear(x, ex.w13[-1], s13[-1], act_scale_ub=ub), self.act)
+        return fp8_linear(inner, ex.w2[-1], s2[-1], act_scale_ub=ub)
 
 
 def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
