@@ -168,7 +168,7 @@ KERNEL_CLASSES = (
     ("sampling", r"Sampling|TopK|TopP|argmax|ArgMax|softmax|Softmax|multinomial"),
     ("KV writes", r"index_copy|index_put|scatter|AppendPaged|append_paged|_write_kv_kernel"),
     ("quantization (amax)", r"reduce_kernel.*(Max|max)|amax|quant"),
-    ("norms, reductions", r"reduce_kernel|rms|norm|Norm"),
+    ("norms, reductions", r"reduce_kernel|rms|norm|Norm|_splitk_sum_kernel"),
     ("copies", r"direct_copy|copy_kernel|Memcpy|memcpy|cat_|CatArray"),
     ("gathers", r"index_elementwise|gather|index_select|indexSelect"),
     ("elementwise", r"elementwise|Elementwise|Memset|fill"),

@@ -70,8 +70,9 @@ def measure_rates(device) -> dict:
 
 def linear_params(model) -> dict:
     """Weights a prefill token multiplies by, split by kind and dtype: ``dense_fp8``,
-    ``dense_16`` (every weight but the embedding, the LM head and the routed experts) and
-    ``expert_fp8`` / ``expert_16`` (one routed expert, summed over the MoE layers)."""
+    ``dense_16`` (every weight but the embedding, the LM head and the routed experts; a
+    shared expert stacked into the experts' slot E too) and ``expert_fp8`` / ``expert_16``
+    (one routed expert, summed over the MoE layers)."""
     from chunklocal.models.moe import MoE
 
     out = dict.fromkeys(("dense_fp8", "dense_16", "expert_fp8", "expert_16"), 0)
@@ -82,6 +83,8 @@ def linear_params(model) -> dict:
             for w in (ex.w13, ex.w2):
                 experts.add(id(w))
                 out["expert_fp8" if w.element_size() == 1 else "expert_16"] += w[0].numel()
+                if module.stacked:  # slot E: the shared expert, every token's
+                    out["dense_fp8" if w.element_size() == 1 else "dense_16"] += w[-1].numel()
     for name, p in model.named_parameters():
         if id(p) in experts or "embed_tokens" in name or "lm_head" in name or p.dim() < 2:
             continue  # norms and scales (1-d) do no matmul work

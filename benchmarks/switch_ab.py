@@ -47,12 +47,14 @@ SWITCHES = {
     "kv16": ("chunklocal.models.kv_write_triton", "KV_WRITE_16BIT_ENABLED"),
     "norm": ("chunklocal.models.norm_triton", "NORM_ENABLED"),
 }
-#: name: (attribute of every MoE layer, the value flipped to) of switches each layer holds.
-#: "shared": the shared expert as group E of the routed GEMMs on steps of up to 16 tokens
-#: (``moe.SHARED_GROUP_TOKENS``).  With it named the engine loads with the shared expert
-#: stacked into the experts (``moe.STACK_SHARED``), so its defaults run the shared expert
-#: as dense GEMMs on the stacked slot: the kernels of a shared expert of its own.
+#: name: (attribute of every MoE layer, its value when on) of switches each layer holds,
+#: flipped between that value and 0.  "shared": the shared expert as group E of the routed
+#: GEMMs on steps of up to 16 tokens (``moe.SHARED_GROUP_TOKENS``, on by default for FP8
+#: layers).  With it named the engine loads with the shared expert stacked into the experts
+#: (``moe.STACK_SHARED``, float weights too), so its "off" runs the shared expert as dense
+#: GEMMs on the stacked slot: the kernels of a shared expert of its own.
 LAYER_SWITCHES = {"shared": ("fuse_max_tokens", 16)}
+FLIPPED: dict[str, str] = {}  # name -> the setting its flipped rounds ran with
 WARMUP = 2  # steps after each capture before the timed ones
 
 
@@ -72,14 +74,17 @@ def moe_layers(llm) -> list:
 def flip(llm, name: str):
     """Flip switch ``name`` on the loaded engine; returns what puts it back."""
     if name in LAYER_SWITCHES:
-        attr, value = LAYER_SWITCHES[name]
+        attr, on = LAYER_SWITCHES[name]
         layers = moe_layers(llm)
         before = [getattr(m, attr) for m in layers]
+        value = 0 if any(before) else on
         for layer in layers:
             setattr(layer, attr, value)
+        FLIPPED[name] = f"MoE.{attr}={value}"
         return lambda: [setattr(m, attr, v) for m, v in zip(layers, before, strict=True)]
     module, attr, default = flipped(name)
     setattr(module, attr, not default)
+    FLIPPED[name] = f"{module.__name__.rsplit('.', 1)[-1]}.{attr}={not default}"
     return lambda: setattr(module, attr, default)
 
 
@@ -94,15 +99,6 @@ def stacked_shared(on: bool):
         yield
     finally:
         moe.STACK_SHARED = before
-
-
-def describe(name: str) -> str:
-    """The setting a flipped row ran with."""
-    if name in LAYER_SWITCHES:
-        attr, value = LAYER_SWITCHES[name]
-        return f"MoE.{attr}={value}"
-    module, attr, default = flipped(name)
-    return f"{module.__name__.rsplit('.', 1)[-1]}.{attr}={not default}"
 
 
 def timed(llm, steps: int, device) -> dict:
@@ -142,7 +138,7 @@ def summary(runs: dict[str, list[dict]], names: list[str], base: dict) -> list[d
     for label, measured in runs.items():
         row = dict(base, variant=label)
         if label != "defaults":
-            row["switch"] = describe(label)
+            row["switch"] = FLIPPED[label]
         for key in ("step_ms", "replay_ms"):
             values = [m[key] for m in measured if m[key] is not None]
             if not values:

@@ -307,6 +307,7 @@ def test_kernel_classes_of_the_names_seen_on_the_h200():
 TRITON_KERNEL_CLASSES = {
     "_fp8_splitk_kernel": "FP8 GEMMs, Triton (experts and dense)",
     "_grouped_gemm_kernel": "expert GEMMs",
+    "_splitk_sum_kernel": "norms, reductions",  # the split-K slices' sum, where torch's sum was
     "_quantize_rows_kernel": "quantization (amax)",
     "_quantize_rows_load": "quantization (amax)",  # its jit helper, inlined (no launch)
     "_add_rms_norm_kernel": "norms, reductions",
@@ -518,6 +519,23 @@ def test_switch_ab_flips_the_shared_expert_group_on_every_moe_layer(tmp_path, mo
     assert rows[1]["switch"] == "MoE.fuse_max_tokens=16"
 
 
+def test_switch_ab_turns_an_on_layer_switch_off():
+    """FP8 layers load with the shared expert as group E (fuse_max_tokens 16): the "shared"
+    switch then flips it to 0, labels the row so, and puts 16 back."""
+    from types import SimpleNamespace
+
+    from benchmarks import switch_ab
+    from chunklocal.models.moe import MoE
+
+    layers = [MoE(4, 1, 16, 8, torch.nn.SiLU(), fuse_max_tokens=16) for _ in range(2)]
+    llm = SimpleNamespace(model=torch.nn.Sequential(*layers))
+    restore = switch_ab.flip(llm, "shared")
+    assert [m.fuse_max_tokens for m in layers] == [0, 0]
+    assert switch_ab.FLIPPED["shared"] == "MoE.fuse_max_tokens=0"
+    restore()
+    assert [m.fuse_max_tokens for m in layers] == [16, 16]
+
+
 def test_engine_core_smoke(tmp_path):
     """benchmarks/engine_core.py: step breakdown, sampling cases and the sampler alone."""
     from benchmarks import engine_core
@@ -691,7 +709,7 @@ def test_overlap_decode_floor_counts_the_experts_balanced_routing_touches(tmp_pa
     llm.shutdown()
 
 
-def test_prefill_profile_smoke_and_its_flop_split(tmp_path):
+def test_prefill_profile_smoke_and_its_flop_split(tmp_path, monkeypatch):
     """benchmarks/prefill_profile.py --smoke: both prompts prefilled in whole steps, a
     profile; its FLOP split adds up to floors.prefill_flops' total (an independent count:
     every 2-d weight but the embedding and LM head, top_k experts per token), attention
@@ -731,7 +749,18 @@ def test_prefill_profile_smoke_and_its_flop_split(tmp_path):
     split8 = prefill_profile.prefill_split(fp8.config, fp8.layer_kinds, params8, 90)
     assert prefill_profile.floor_seconds(split8, rates) == pytest.approx(
         split8["fp8"] / 2 + split8["bf16"] + split8["attention"])
+    # the FP8 shared experts are stacked into the experts (moe.SHARED_GROUP_TOKENS): the
+    # same counts as with each in its own layers
+    assert fp8.model.layers[0].feed_forward.stacked
     fp8.shutdown()
+    from chunklocal.models import moe
+
+    monkeypatch.setattr(moe, "SHARED_GROUP_TOKENS", 0)
+    apart = chunklocal.LLM(tmp_path / "fp8", load_format="dummy", dtype=torch.float32,
+                           max_model_len=128)
+    assert not apart.model.layers[0].feed_forward.stacked
+    assert prefill_profile.linear_params(apart.model) == params8
+    apart.shutdown()
 
 
 def test_proc_cpu_finds_the_saturated_thread_and_the_idle_child():

@@ -126,7 +126,8 @@ def test_compressed_tensors_fp8_dynamic(scout, tmp_path):
     llm = engine(path)
     fp8 = llm.model.layers[0].feed_forward
     assert fp8.experts.w13.dtype == torch.float8_e4m3fn
-    assert fp8.shared_expert.down_proj.weight.dtype == torch.float8_e4m3fn
+    # the FP8 shared expert: slot E of the experts' stacks (moe.SHARED_GROUP_TOKENS)
+    assert fp8.stacked and fp8.experts.w2.shape[0] == fp8.num_experts + 1
     assert llm.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # fused at load
     check_tokens(llm, oracle, PROMPTS, None)
 
@@ -209,8 +210,7 @@ def test_fp8_shared_expert_as_a_group_of_the_experts(scout, tmp_path, monkeypatc
     from chunklocal.models.moe import MoE
 
     path, oracle = fp8_layout(scout, tmp_path, layout)
-    monkeypatch.setattr(moe, "STACK_SHARED", True)
-    monkeypatch.setattr(moe, "FUSE_MAX_TOKENS", group_tokens)
+    monkeypatch.setattr(moe, "SHARED_GROUP_TOKENS", group_tokens)
     llm = engine(path)
     layers = [m for m in llm.model.modules() if isinstance(m, MoE)]
     for layer in layers:
@@ -229,11 +229,32 @@ def test_fp8_shared_expert_as_a_group_of_the_experts(scout, tmp_path, monkeypatc
     assert bool(dense) == (group_tokens == 4)   # and the dense slot past the threshold
 
 
-def test_fp8_shared_expert_with_another_activation_cap_is_not_stacked(tmp_path):
+def test_only_fp8_shared_experts_are_grouped_by_default(scout, tmp_path, monkeypatch):
+    """The default (moe.SHARED_GROUP_TOKENS = 16, CHUNKLOCAL_MOE_SHARED_GROUP_TOKENS): FP8
+    layers stack their shared expert and run it as group E up to 16 tokens; bf16 layers keep
+    theirs (it measured no faster there); 0 keeps every shared expert in its own layers."""
+    from chunklocal.models import moe
+
+    assert moe.SHARED_GROUP_TOKENS == 16 and not moe.STACK_SHARED
+    path, _ = fp8_layout(scout, tmp_path / "fp8", "compressed-tensors")
+    layer = engine(path).model.layers[0].feed_forward
+    assert layer.stacked and layer.fuse_max_tokens == 16
+    bf16 = engine(write_published(tmp_path / "bf16", SCOUT, scout[0].state_dict()))
+    layer = bf16.model.layers[0].feed_forward
+    assert not layer.stacked and layer.fuse_max_tokens == 0
+    monkeypatch.setattr(moe, "SHARED_GROUP_TOKENS", 0)
+    layer = engine(path).model.layers[0].feed_forward
+    assert not layer.stacked and layer.shared_expert is not None
+
+
+def test_fp8_shared_expert_with_another_activation_cap_is_not_stacked(tmp_path,
+                                                                     monkeypatch):
     """A shared expert whose FP8 layers quantize under another activation cap than the
     experts' would not get its own bits as group E: stack_shared refuses, changing nothing."""
+    from chunklocal.models import moe
     from chunklocal.models.moe import MoE
 
+    monkeypatch.setattr(moe, "SHARED_GROUP_TOKENS", 0)  # load them apart
     llm = engine(write_maverick_fbgemm(tmp_path, hf_model(MAVERICK, seed=2)))
     layer = next(m for m in llm.model.modules() if isinstance(m, MoE))
     layer.experts.act_scale_ub = 600.0
@@ -497,10 +518,14 @@ def test_dummy_weights_read_only_config_json(tmp_path, fp8):
     assert outs[0] == outs[1] != outs[2]
     model = runs[0].model
     dtype = torch.float8_e4m3fn if fp8 else torch.float32
-    assert model.layers[0].feed_forward.experts.w13.dtype == dtype
-    assert model.layers[0].feed_forward.shared_expert.gate_up_proj.weight.dtype == dtype
+    moe_layer = model.layers[0].feed_forward
+    assert moe_layer.experts.w13.dtype == dtype
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
-    assert model.layers[0].feed_forward.experts.w13.shape == (4, 128, 64)
+    if fp8:  # the shared expert is the experts' slot E (moe.SHARED_GROUP_TOKENS)
+        assert moe_layer.stacked and moe_layer.experts.w13.shape == (5, 128, 64)
+    else:
+        assert moe_layer.shared_expert.gate_up_proj.weight.dtype == dtype
+        assert moe_layer.experts.w13.shape == (4, 128, 64)
     assert runs[0].eos_ids == {501, 502, 503}  # config.json's only
 
 

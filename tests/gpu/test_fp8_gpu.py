@@ -344,8 +344,7 @@ def test_fp8_tokens_match_the_oracle_with_the_shared_expert_as_a_group(trained, 
     hf, text = trained
     path, ub = fp8_checkpoint(hf, text, tmp_path, "fbgemm_fp8")
     oracle = fp8_oracle(hf, read_tensors(path), scale_ub=ub).cuda()
-    monkeypatch.setattr(moe, "STACK_SHARED", True)
-    monkeypatch.setattr(moe, "FUSE_MAX_TOKENS", 16)
+    monkeypatch.setattr(moe, "SHARED_GROUP_TOKENS", 16)  # the default, whatever the env
     prompts = copy_prompts(LENGTHS, seed=1, vocab=128)
     groups, real = [], moe_triton.fp8_grouped_mm_small  # calls at capture time count
     monkeypatch.setattr(moe_triton, "fp8_grouped_mm_small",

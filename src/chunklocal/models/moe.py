@@ -46,22 +46,24 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 
 # How loaded models run their MoE layers (see :func:`configure`), chosen from
 # benchmarks/moe.py on the H200 (BENCHMARKS.md, "MoE layer"): stacking or fusing the shared
-# expert measured no faster in bf16 (torch._grouped_mm), so both stay off; the Triton kernel
-# beats torch._grouped_mm while experts average at most 16 rows each (it reads each touched
-# expert once per N-tile without padding rows up to the grouped GEMM's tile), and loses beyond.
-#
-#: The shared expert as one more group of the routed experts' GEMMs on steps of at most this
-#: many tokens (0: never; ``CHUNKLOCAL_MOE_SHARED_GROUP_TOKENS``).  For FP8 decode steps the
-#: shared expert runs apart as four GEMM launches (each with its split-K sum and cast), a
-#: quantization, an activation and an add: about ten of a layer's kernels, 480 a full-size
-#: Scout step, which at batch 1 run below a few microseconds each (BENCHMARKS.md, fifteenth
-#: session: 192 FP8 GEMM launches, 0.74 ms of quantization).  As group E its rows share the
-#: routed rows' quantization (score 1) and the two split-K launches.  16: the split-K
-#: kernel's row tile (``moe_triton.FP8_BLOCK_M``), past which it re-reads the weights.
-#: Off until an H200 A/B measures it (``benchmarks/switch_ab.py --switches shared``).
-SHARED_GROUP_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_SHARED_GROUP_TOKENS", "0"))
-STACK_SHARED = SHARED_GROUP_TOKENS > 0  # shared expert into slot E of the stacks
-FUSE_MAX_TOKENS = SHARED_GROUP_TOKENS   # steps up to this many tokens run it as group E
+# expert measured no faster in bf16 (torch._grouped_mm), so for float weights both stay off;
+# the Triton kernel beats torch._grouped_mm while experts average at most 16 rows each (it
+# reads each touched expert once per N-tile without padding rows up to the grouped GEMM's
+# tile), and loses beyond.
+STACK_SHARED = False    # float weights: the shared expert into slot E of the stacks
+FUSE_MAX_TOKENS = 0     # float weights: steps up to this many tokens run it as group E
+#: FP8 layers: the shared expert stacked into slot E and run as one more group of the routed
+#: experts' GEMMs on steps of at most this many tokens (0: never;
+#: ``CHUNKLOCAL_MOE_SHARED_GROUP_TOKENS``), as dense FP8 GEMMs on the slot beyond.  Apart, a
+#: decode step's shared expert is four GEMM launches (each with its split-K sum and cast), a
+#: quantization, an activation and an add: about ten kernels a layer, each a few microseconds
+#: at batch 1 (BENCHMARKS.md, fifteenth session).  As group E its rows share the routed
+#: rows' quantization (score 1) and the two split-K launches.  16: the split-K kernel's row
+#: tile (``moe_triton.FP8_BLOCK_M``), past which it re-reads the weights.  On since the
+#: seventeenth session (``benchmarks/switch_ab.py --model scout-fp8-12 --switches shared``,
+#: an H100: 12 of Scout FP8's layers, 5.7% less per step at batch 1 and 2.1% at 16, outside
+#: the rounds' spread; tests/gpu/test_fp8_gpu.py holds the tokens to the fake-quant oracle).
+SHARED_GROUP_TOKENS = int(os.environ.get("CHUNKLOCAL_MOE_SHARED_GROUP_TOKENS", "16"))
 TRITON_PAIRS_PER_EXPERT = 16  # steps up to this many (token, expert) pairs per expert
 #: Longer steps run the block in slices of this many tokens (each token's output is its own),
 #: so the memory profile's peak (reserved for good, engine/memory.py) holds one slice's
@@ -273,9 +275,11 @@ def configure(model: nn.Module, stack_shared: bool | None = None,
     loaded model; returns how many layers there are."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for layer in layers:
-        if STACK_SHARED if stack_shared is None else stack_shared:
+        group = SHARED_GROUP_TOKENS if layer.experts.w13_scale is not None else 0  # FP8
+        if (STACK_SHARED or group > 0) if stack_shared is None else stack_shared:
             layer.stack_shared()
-        layer.fuse_max_tokens = FUSE_MAX_TOKENS if fuse_max_tokens is None else fuse_max_tokens
+        layer.fuse_max_tokens = (max(FUSE_MAX_TOKENS, group) if fuse_max_tokens is None
+                                 else fuse_max_tokens)
         layer.triton_max_pairs = (TRITON_PAIRS_PER_EXPERT * layer.num_experts
                                   if triton_max_pairs is None else triton_max_pairs)
         layer.chunk_tokens = MOE_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
