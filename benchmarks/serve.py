@@ -1,15 +1,21 @@
 """Load test of ``chunklocal serve``: N concurrent streaming clients on localhost.
 
 Each client sends /v1/completions requests one after another (token-id prompts, greedy,
-``ignore_eos``, ``max_tokens`` fixed, ``stream: true`` with vLLM's
-``continuous_usage_stats`` so every chunk says how many tokens it carries) until the
-request count (``--requests``) or the time (``--duration``) runs out.  For each level of
+``ignore_eos``, ``stream: true`` with vLLM's ``continuous_usage_stats`` so every chunk says
+how many tokens it carries) until the request count (``--requests``) or the time
+(``--duration``) runs out.  Lengths as vLLM's random dataset (``vllm bench serve
+--random-range-ratio``, RandomDataset.get_sampling_params in vllm/benchmarks/datasets.py):
+with ``--random-range-ratio`` r (default 0) each request draws its prompt length and its
+own ``max_tokens`` uniformly from the integers of [floor(L * (1 - r)), ceil(L * (1 + r))]
+around ``--prompt-tokens`` and ``--max-tokens`` (max_tokens at least 1; r in [0, 1)); r = 0
+sends every request with exactly those two lengths.  For each level of
 ``--clients`` it reports requests/s, output tokens/s, time to first token (TTFT: request
 sent -> first chunk with a token) and inter-token latency (ITL: gap between chunks, divided
 by the tokens the later chunk carries) at p50 and p99.
 
-Nothing lost: every request must end with finish_reason "length" after exactly
-``max_tokens`` tokens, counted chunk by chunk and in the final usage; ``--verify K``
+Nothing lost: every request must end with finish_reason "length" after exactly its own
+``max_tokens`` tokens, counted chunk by chunk and in the final usage (output tokens/s counts
+each completed request's own); ``--verify K``
 re-sends K of the prompts without streaming and requires the same text (exact on the CPU in
 float32; on a GPU a batch-dependent bf16 tie may differ, so use --verify 0 there).  Any
 failure makes the exit status 1.
@@ -42,6 +48,7 @@ prefill per request (BENCHMARKS.md).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import shlex
@@ -165,17 +172,19 @@ def _problem(rec: dict, max_tokens: int) -> str | None:
     return None
 
 
-def _problems(level: str, records, max_tokens: int) -> list[str]:
-    """``level, prompt i: problem`` for each record that is not a complete request."""
+def _problems(level: str, records, max_tokens: list[int]) -> list[str]:
+    """``level, prompt i: problem`` for each record that is not a complete request
+    (``max_tokens[i]``: what prompt i asked for)."""
     return [f"{level}, prompt {i}: {problem}" for i, r in records
-            if (problem := _problem(r, max_tokens)) is not None]
+            if (problem := _problem(r, max_tokens[i])) is not None]
 
 
 async def run_level(url, model, headers, prompts, clients, max_tokens, duration, timeout):
-    bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+    """Prompt i asks for ``max_tokens[i]`` tokens."""
+    bodies = [{"model": model, "prompt": p, "max_tokens": m, "temperature": 0.0,
                "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-              for p in prompts]
+              for p, m in zip(prompts, max_tokens, strict=True)]
     records: list[tuple[int, dict]] = []
     next_index = iter(range(len(bodies)))
     start = time.perf_counter()
@@ -206,7 +215,7 @@ async def verify(url, model, headers, prompts, records, max_tokens, k) -> list[s
     problems = []
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
         for i, rec in records[:k]:
-            body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens,
+            body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens[i],
                     "temperature": 0.0, "ignore_eos": True}
             got = (await client.post("/v1/completions", json=body)).json()
             text = got["choices"][0]["text"] if "choices" in got else got
@@ -217,14 +226,16 @@ async def verify(url, model, headers, prompts, records, max_tokens, k) -> list[s
 
 
 def summarize(clients, records, wall, max_tokens) -> dict:
-    done = [r for _, r in records if _problem(r, max_tokens) is None]
+    """A level's row; output tokens are each completed request's own ``max_tokens[i]``."""
+    done_at = [(i, r) for i, r in records if _problem(r, max_tokens[i]) is None]
+    done = [r for _, r in done_at]
     ttft = [r["ttft"] for r in done]
     itl = [g for r in done for g in r["itl"]]
     itl_p50 = percentile(itl, 50)
     return {"clients": clients, "requests": len(records), "completed": len(done),
             "failed": len(records) - len(done), "wall_s": wall,
             "requests_per_s": len(done) / wall,
-            "output_tokens_per_s": len(done) * max_tokens / wall,
+            "output_tokens_per_s": sum(max_tokens[i] for i, _ in done_at) / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
             "itl_p50_ms": 1e3 * itl_p50, "itl_p90_ms": 1e3 * percentile(itl, 90),
             "itl_p99_ms": 1e3 * percentile(itl, 99),
@@ -235,13 +246,42 @@ def summarize(clients, records, wall, max_tokens) -> dict:
             "cached_prompt_tokens": sum(r.get("cached") or 0 for r in done)}
 
 
-def prompt_set(args, tag: str, count: int) -> list[list[int]]:
-    """``count`` random token-id prompts of ``--prompt-tokens`` for the row named ``tag``:
-    the same for the same seed and tag, and (ids drawn from ``--max-token-id + 1`` values)
-    with no first block in common with another tag's, so nothing is a prefix-cache hit."""
+def length_range(mean: int, ratio: float) -> tuple[int, int]:
+    """vLLM's interval for ``--random-range-ratio`` (RandomDataset.get_sampling_params,
+    vllm/benchmarks/datasets.py): [floor(mean * (1 - ratio)), ceil(mean * (1 + ratio))],
+    both ends drawn; ``ratio`` 0 gives ``mean`` alone."""
+    return math.floor(mean * (1 - ratio)), math.ceil(mean * (1 + ratio))
+
+
+def request_lengths(args, tag: str, count: int) -> tuple[list[int], list[int]]:
+    """Each request's prompt length and ``max_tokens`` for the row named ``tag``, drawn
+    uniformly from :func:`length_range` of ``--prompt-tokens`` and ``--max-tokens`` (the
+    latter at least 1, as vLLM's) with ``--random-range-ratio``; the same for the same seed
+    and tag (a generator of their own: the prompts' ids are drawn as before)."""
+    ratio = args.random_range_ratio
+    rng = random.Random(f"{args.seed}/{tag}/lengths")
+    (p_lo, p_hi), (m_lo, m_hi) = (length_range(args.prompt_tokens, ratio),
+                                  length_range(args.max_tokens, ratio))
+    m_lo, m_hi = max(m_lo, 1), max(m_hi, 1)
+    prompt_lens = [rng.randint(p_lo, p_hi) for _ in range(count)]
+    return prompt_lens, [rng.randint(m_lo, m_hi) for _ in range(count)]
+
+
+def prompt_set(args, tag: str, count: int) -> tuple[list[list[int]], list[int]]:
+    """``count`` random token-id prompts for the row named ``tag`` and each one's own
+    ``max_tokens`` (:func:`request_lengths`: ``--prompt-tokens`` and ``--max-tokens`` each,
+    unless ``--random-range-ratio``): the same for the same seed and tag, and (ids drawn
+    from ``--max-token-id + 1`` values) with no first block in common with another tag's,
+    so nothing is a prefix-cache hit."""
+    prompt_lens, max_tokens = request_lengths(args, tag, count)
     rng = random.Random(f"{args.seed}/{tag}")
-    return [[rng.randint(0, args.max_token_id) for _ in range(args.prompt_tokens)]
-            for _ in range(count)]
+    return [[rng.randint(0, args.max_token_id) for _ in range(n)] for n in prompt_lens], \
+        max_tokens
+
+
+def per_request(params, count: int) -> list:
+    """One ``SamplingParams`` per prompt: ``params`` itself if a list, else ``count`` of it."""
+    return list(params) if isinstance(params, (list, tuple)) else [params] * count
 
 
 def closed_loop(llm, prompts, params, clients: int) -> dict:
@@ -250,9 +290,10 @@ def closed_loop(llm, prompts, params, clients: int) -> dict:
     threads), so a request enters the engine when an earlier one ends, as over HTTP.  What
     the server loses against this row is the HTTP path's; what this row loses against the
     all-at-once row is the engine's, on staggered arrivals (most steps then mix a prefill
-    with the decodes)."""
+    with the decodes).  ``params``: one SamplingParams, or one per prompt."""
     import threading
 
+    params = per_request(params, len(prompts))
     next_index = iter(range(len(prompts)))
     lock, done, ttft, tpot = threading.Lock(), [], [], []
 
@@ -262,8 +303,9 @@ def closed_loop(llm, prompts, params, clients: int) -> dict:
                 i = next(next_index, None)
             if i is None:
                 return
-            out = llm.generate([prompts[i]], params, use_tqdm=False)[0]
-            done.append(len(out.outputs[0].token_ids) == params.max_tokens)
+            out = llm.generate([prompts[i]], [params[i]], use_tqdm=False)[0]
+            if len(out.outputs[0].token_ids) == params[i].max_tokens:
+                done.append(params[i].max_tokens)
             if out.metrics is not None and out.metrics.time_to_first_token is not None:
                 ttft.append(out.metrics.time_to_first_token)
             if out.metrics is not None and out.metrics.time_per_output_token is not None:
@@ -278,18 +320,19 @@ def closed_loop(llm, prompts, params, clients: int) -> dict:
     wall = time.perf_counter() - start
     # The engine's own clocks (arrival to first token; mean gap after it): beside the
     # server's TTFT they show where its requests wait.
-    return offline_row(f"{clients}, in process (closed loop)", len(prompts), sum(done), wall,
-                       params.max_tokens) | {
+    return offline_row(f"{clients}, in process (closed loop)", len(prompts),
+                       len(done), wall, sum(done)) | {
         "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
         "tpot_p50_ms": 1e3 * percentile(tpot, 50)}
 
 
-def offline_row(label: str, requests: int, done: int, wall: float, max_tokens: int) -> dict:
-    """A row of an in-process run, in the load test's columns (``done`` requests complete
-    with ``max_tokens`` tokens each in ``wall`` seconds)."""
+def offline_row(label: str, requests: int, done: int, wall: float, tokens: int) -> dict:
+    """A row of an in-process run, in the load test's columns (``done`` requests complete,
+    with ``tokens`` output tokens together -- each its own max_tokens -- in ``wall``
+    seconds)."""
     return {"clients": label, "requests": requests, "completed": done,
             "failed": requests - done, "wall_s": wall, "requests_per_s": done / wall,
-            "output_tokens_per_s": done * max_tokens / wall}
+            "output_tokens_per_s": tokens / wall}
 
 
 def offline_floor(args) -> list[dict]:
@@ -308,18 +351,21 @@ def offline_floor(args) -> list[dict]:
     serve_cli.add_arguments(parser)
     served = parser.parse_args([str(args.launch), *shlex.split(args.serve_args)])
     llm = LLM(args.launch, **serve_cli.llm_kwargs(served))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def requests(tag):  # the prompts and a SamplingParams each (its own max_tokens)
+        prompts, max_tokens = prompt_set(args, tag, args.requests)
+        return prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+                         for m in max_tokens]
+
     # Warm-up: as many requests of the same shape (prompts of their own). Two prompts left
     # first-use costs (kernels compiled for new row counts) in the timed call on the H200,
     # where the server had been warmed by its earlier client levels (2026-12-02).
     n = args.requests
-    llm.generate(prompt_set(args, "offline warm-up", n), params, use_tqdm=False)
-    rows = [waves(llm, prompt_set(args, "offline all", n), params, n,
-                  label="offline LLM.generate")]
+    llm.generate(*requests("offline warm-up"), use_tqdm=False)
+    rows = [waves(llm, *requests("offline all"), n, label="offline LLM.generate")]
     for clients in args.clients:
-        rows += [waves(llm, prompt_set(args, f"waves {clients}", n), params, clients),
-                 closed_loop(llm, prompt_set(args, f"closed loop {clients}", n), params,
-                             clients)]
+        rows += [waves(llm, *requests(f"waves {clients}"), clients),
+                 closed_loop(llm, *requests(f"closed loop {clients}"), clients)]
     llm.core.shutdown()
     return rows
 
@@ -328,13 +374,17 @@ def waves(llm, prompts, params, clients: int, label: str | None = None) -> dict:
     """Offline at the level's concurrency: ``LLM.generate`` on ``clients`` prompts at a time,
     one wave after another.  The all-at-once row batches up to ``--max-num-seqs``, which a
     level of fewer clients can never reach; this row is the floor a server with that many
-    clients can be held to."""
-    start, ok = time.perf_counter(), 0
+    clients can be held to.  ``params``: one SamplingParams, or one per prompt."""
+    params = per_request(params, len(prompts))
+    start, ok, tokens = time.perf_counter(), 0, 0
     for i in range(0, len(prompts), clients):
-        outs = llm.generate(prompts[i:i + clients], params, use_tqdm=False)
-        ok += sum(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
+        wave = params[i:i + clients]
+        outs = llm.generate(prompts[i:i + clients], wave, use_tqdm=False)
+        for o, p in zip(outs, wave, strict=True):
+            if len(o.outputs[0].token_ids) == p.max_tokens:
+                ok, tokens = ok + 1, tokens + p.max_tokens
     return offline_row(label or f"{clients}, offline in waves of {clients}", len(prompts), ok,
-                       time.perf_counter() - start, params.max_tokens)
+                       time.perf_counter() - start, tokens)
 
 
 def main(argv=None) -> int:
@@ -350,6 +400,12 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="as vLLM's: each request draws its prompt length and max_tokens "
+                   "uniformly from [floor(L * (1 - r)), ceil(L * (1 + r))] around "
+                   "--prompt-tokens and --max-tokens; r in [0, 1), 0: those lengths exactly. "
+                   "The longest request (both upper ends) must fit the server's "
+                   "--max-model-len, or the server refuses it and it counts as failed")
     p.add_argument("--max-token-id", type=int, default=255,
                    help="prompt ids are drawn from [0, this] (any vocabulary has them)")
     p.add_argument("--verify", type=int, default=4,
@@ -381,6 +437,11 @@ def main(argv=None) -> int:
     if args.smoke:
         # prompts of 2 cacheable blocks (16 tokens each): a prefix-cache hit would show
         args.clients, args.requests, args.prompt_tokens, args.max_tokens = [1, 4], 8, 40, 8
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        p.error(f"--random-range-ratio {args.random_range_ratio}: must be in [0, 1) (vLLM's)")
+    if length_range(args.prompt_tokens, args.random_range_ratio)[0] < 1:
+        p.error(f"--prompt-tokens {args.prompt_tokens} with --random-range-ratio "
+                f"{args.random_range_ratio} can draw an empty prompt")
     if args.routing != "model" and args.verify > 0:
         p.error(f"--verify {args.verify} compares texts of two runs of a prompt, which "
                 f"--routing {args.routing} routes differently (each call moves the experts): "
@@ -420,23 +481,29 @@ def _run(args, headers, proc) -> int:
         "data"][0]["id"]
     n = args.requests
     rows, problems, cpu = [], [], {}
+    if args.random_range_ratio > 0:
+        print("each request's prompt tokens from [{}, {}], max_tokens from [{}, {}]".format(
+            *length_range(args.prompt_tokens, args.random_range_ratio),
+            *(max(m, 1) for m in length_range(args.max_tokens, args.random_range_ratio))),
+            flush=True)
     if args.warmup_requests > 0:
+        prompts, max_tokens = prompt_set(args, "warm-up", args.warmup_requests)
         records, _ = asyncio.run(run_level(
-            args.url, model, headers, prompt_set(args, "warm-up", args.warmup_requests),
-            args.clients[0], args.max_tokens, args.duration, args.timeout))
-        problems += _problems("warm-up", records, args.max_tokens)
+            args.url, model, headers, prompts, args.clients[0], max_tokens, args.duration,
+            args.timeout))
+        problems += _problems("warm-up", records, max_tokens)
     for clients in args.clients:
-        prompts = prompt_set(args, f"server {clients}", n)
+        prompts, max_tokens = prompt_set(args, f"server {clients}", n)
         before = proc_cpu.sample(proc.pid) if proc is not None else {}
         records, wall = asyncio.run(run_level(args.url, model, headers, prompts, clients,
-                                              args.max_tokens, args.duration, args.timeout))
-        rows.append(summarize(clients, records, wall, args.max_tokens))
+                                              max_tokens, args.duration, args.timeout))
+        rows.append(summarize(clients, records, wall, max_tokens))
         if before:  # which thread of the server or the engine process was saturated
             cpu[clients] = proc_cpu.usage(before, proc_cpu.sample(proc.pid), wall, proc.pid)
             print(f"{clients} clients, CPU: {proc_cpu.summary(cpu[clients])}", flush=True)
-        problems += _problems(f"{clients} clients", records, args.max_tokens)
+        problems += _problems(f"{clients} clients", records, max_tokens)
         problems += asyncio.run(verify(args.url, model, headers, prompts, records,
-                                       args.max_tokens, args.verify))
+                                       max_tokens, args.verify))
         print(format_table([rows[-1]]), flush=True)
     if args.offline_floor:
         if proc is None:

@@ -1015,3 +1015,103 @@ def test_scout_fp8_12_is_scouts_first_twelve_layers(tmp_path):
     same = {k for k in ft if k not in ("num_hidden_layers", "moe_layers", "no_rope_layers",
                                        "layer_types")}
     assert {k: ct[k] for k in same} == {k: ft[k] for k in same}
+
+
+def _serve_args(monkeypatch, *flags):
+    """benchmarks/serve.py's parsed flags (main with no server: _run captures them)."""
+    from benchmarks import serve
+
+    seen = {}
+    monkeypatch.setattr(serve, "_run", lambda args, *a: seen.setdefault("args", args) and 0)
+    assert serve.main(["--url", "http://x", "--verify", "0", *flags]) == 0
+    return seen["args"]
+
+
+def test_serve_random_range_ratio_draws_vllm_s_lengths(monkeypatch, capsys):
+    """benchmarks/serve.py --random-range-ratio as vLLM's random dataset
+    (RandomDataset.get_sampling_params): r 0 (the default) sends exactly --prompt-tokens and
+    --max-tokens, with the prompts of before; r > 0 draws each from the integers of
+    [floor(L(1 - r)), ceil(L(1 + r))] (max_tokens at least 1), the same for the same seed and
+    tag; r outside [0, 1) or an empty prompt is refused."""
+    import random
+
+    from benchmarks import serve
+
+    args = _serve_args(monkeypatch, "--prompt-tokens", "40", "--max-tokens", "8")
+    assert args.random_range_ratio == 0.0
+    prompts, max_tokens = serve.prompt_set(args, "server 4", 16)
+    assert [len(p) for p in prompts] == [40] * 16 and max_tokens == [8] * 16
+    rng = random.Random("0/server 4")  # the fixed-length prompts as before the flag
+    assert prompts == [[rng.randint(0, 255) for _ in range(40)] for _ in range(16)]
+
+    args = _serve_args(monkeypatch, "--prompt-tokens", "40", "--max-tokens", "8",
+                       "--random-range-ratio", "0.5", "--seed", "3")
+    prompts, max_tokens = serve.prompt_set(args, "server 4", 64)
+    lens = [len(p) for p in prompts]
+    assert set(lens) <= set(range(20, 61)) and set(max_tokens) <= set(range(4, 13))
+    assert len(set(lens)) > 10 and len(set(max_tokens)) > 5
+    assert min(lens) < 30 and max(lens) > 50 and min(max_tokens) < 6 < 10 < max(max_tokens)
+    assert serve.prompt_set(args, "server 4", 64) == (prompts, max_tokens)
+    other, other_max = serve.prompt_set(args, "server 1", 64)
+    assert other_max != max_tokens and all(a[:16] != b[:16] for a in prompts for b in other)
+    args.seed = 4
+    assert serve.prompt_set(args, "server 4", 64)[1] != max_tokens
+
+    # floor below, ceil above (7 * 0.7 = 4.9, 7 * 1.3 = 9.1); max_tokens never 0
+    assert serve.length_range(7, 0.3) == (4, 10) and serve.length_range(40, 0.0) == (40, 40)
+    args = _serve_args(monkeypatch, "--prompt-tokens", "7", "--max-tokens", "1",
+                       "--random-range-ratio", "0.3")
+    lens, max_tokens = serve.request_lengths(args, "t", 200)
+    assert set(lens) == set(range(4, 11)) and set(max_tokens) == {1, 2}  # ceil(1.3) = 2
+    for bad in ("1.0", "-0.1"):
+        with pytest.raises(SystemExit):
+            _serve_args(monkeypatch, "--random-range-ratio", bad)
+        assert "must be in [0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _serve_args(monkeypatch, "--prompt-tokens", "3", "--random-range-ratio", "0.7")
+    assert "empty prompt" in capsys.readouterr().err
+
+
+def test_serve_checks_and_counts_each_request_s_own_max_tokens():
+    """benchmarks/serve.py with per-request max_tokens: a request is complete only with
+    exactly the tokens it asked for (one that streamed the mean, 8, but asked for 10 fails),
+    and each throughput row -- a server level's (summarize) and the in-process ones
+    (closed_loop, waves: a SamplingParams per prompt) -- sums the completed requests' own."""
+    from types import SimpleNamespace
+
+    from benchmarks import serve
+    from chunklocal.engine.sampling import SamplingParams
+
+    asked = [8, 10, 5, 12]
+    streamed = [8, 8, 5, 12]  # prompt 1 asked for 10 and got the mean
+    records = [(i, {"error": None, "finish": "length", "tokens": t, "usage": t, "ttft": 0.1,
+                    "itl": [0.01] * (t - 1), "e2e": 0.2, "cached": 0})
+               for i, t in enumerate(streamed)]
+    problems = serve._problems("4 clients", records, asked)
+    assert problems == ["4 clients, prompt 1: incomplete: finish_reason length, 8 streamed "
+                        "tokens, usage 8, expected 10"]
+    row = serve.summarize(4, records, 2.0, asked)
+    assert (row["completed"], row["failed"]) == (3, 1)
+    assert row["output_tokens_per_s"] == (8 + 5 + 12) / 2.0
+
+    class Engine:  # each prompt [i] gets streamed[i] tokens, whatever it asked for
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, params, use_tqdm=False):
+            assert isinstance(params, list) and len(params) == len(prompts)
+            self.calls.append([p.max_tokens for p in params])
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * streamed[p[0]])],
+                                    metrics=None) for p in prompts]
+
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in asked]
+    prompts = [[i] for i in range(4)]
+    engine = Engine()
+    row = serve.waves(engine, prompts, params, clients=3)
+    assert engine.calls == [[8, 10, 5], [12]]
+    assert (row["completed"], row["failed"]) == (3, 1)
+    assert row["output_tokens_per_s"] == (8 + 5 + 12) / row["wall_s"]
+    row = serve.closed_loop(engine, prompts, params, clients=2)
+    assert sorted(m for c in engine.calls[2:] for m in c) == sorted(asked)
+    assert (row["completed"], row["failed"]) == (3, 1)
+    assert row["output_tokens_per_s"] == (8 + 5 + 12) / row["wall_s"]

@@ -407,6 +407,36 @@ def test_load_test_script_against_the_server(server, tmp_path):
         "vllm:time_to_first_token_seconds_count"] == 3 + 16 + 2 * 4  # + --verify 4 a level
 
 
+def test_load_test_script_with_random_range_ratio(server, tmp_path):
+    """benchmarks/serve.py --smoke --random-range-ratio 0.5: prompts of 20..60 tokens, each
+    request asking its own max_tokens of 4..12 (vLLM's interval); every request completes
+    with its own, streamed and re-sent (--verify 8: every record), the server generated
+    exactly those tokens, and each row's throughput is their sum."""
+    from types import SimpleNamespace
+
+    from benchmarks import serve
+
+    before = server.metrics()
+    assert serve.main(["--url", server.url, "--smoke", "--random-range-ratio", "0.5",
+                       "--verify", "8", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "serve_smoke.json").read_text())
+    assert data["errors"] == [] and data["config"]["random_range_ratio"] == 0.5
+    drawn = {}
+    for clients in (1, 4):
+        ns = SimpleNamespace(seed=0, random_range_ratio=0.5, prompt_tokens=40, max_tokens=8,
+                             max_token_id=255)  # --smoke's lengths
+        prompts, max_tokens = serve.prompt_set(ns, f"server {clients}", 8)
+        assert len({len(p) for p in prompts}) > 1 and len(set(max_tokens)) > 1
+        drawn[clients] = max_tokens
+    rows = data["rows"]
+    assert [(r["clients"], r["completed"], r["failed"]) for r in rows] == [(1, 8, 0), (4, 8, 0)]
+    for r in rows:
+        assert r["output_tokens_per_s"] * r["wall_s"] == pytest.approx(sum(drawn[r["clients"]]))
+    after = server.metrics()
+    assert after["vllm:generation_tokens_total"] - before[
+        "vllm:generation_tokens_total"] == 2 * (sum(drawn[1]) + sum(drawn[4]))  # + --verify
+
+
 def test_closed_loop_floor_completes_every_request_with_the_offline_tokens(llm):
     """benchmarks/serve.py's in-process closed loop (the clients' arrival pattern without
     HTTP): every request once, each with the tokens the offline engine gives it alone."""
