@@ -268,9 +268,10 @@ def run_to_end(scheduler, runner) -> None:
 
 
 def workload(lengths, max_new, max_num_seqs, budget, block_size, pages_per_chunk, hybrid,
-             spare_blocks, seed, spec_k=0):
+             spare_blocks, seed, spec_k=0, held=0):
     """A scheduler holding random repetitive prompts (so that prompt lookup finds drafts,
-    some of them right), its fake runner, and the prompts."""
+    some of them right), its fake runner, and the prompts.  The last ``held`` requests are
+    not added: they are the ``held`` attribute of the runner, for the test to add later."""
     rng = np.random.default_rng(seed)
     chunk = block_size * pages_per_chunk
     max_model_len = max(lengths) + max_new
@@ -282,9 +283,12 @@ def workload(lengths, max_new, max_num_seqs, budget, block_size, pages_per_chunk
                           max_model_len, spec_k)
     prompts = [rng.integers(0, 3, n).tolist() for n in lengths]
     params = SamplingParams(max_tokens=max_new, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        scheduler.add(Sequence(i, p, params, len(groups)))
-    return scheduler, FakeRunner(groups, scheduler, (max_num_seqs, budget)), prompts
+    seqs = [Sequence(i, p, params, len(groups)) for i, p in enumerate(prompts)]
+    for seq in seqs[:len(seqs) - held]:
+        scheduler.add(seq)
+    runner = FakeRunner(groups, scheduler, (max_num_seqs, budget))
+    runner.held = seqs[len(seqs) - held:]
+    return scheduler, runner, prompts
 
 
 @settings(max_examples=80, deadline=None)
@@ -383,3 +387,107 @@ def test_the_threshold_reaches_the_scheduler_and_is_checked(tmp_path):
     assert max(llm.runner.tokens_per_step) <= 8 * len(prompts)
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0.*-1"):
         chunklocal.LLM(tmp_path, device="cpu", long_prefill_token_threshold=-1)
+
+
+def prompt_backlog(scheduler) -> int:
+    """Prompt tokens not yet computed, summed request by request (the scheduler keeps the
+    waiting part as a running count)."""
+    return (sum(len(s.token_ids) for s in scheduler.waiting)
+            + sum(s.num_uncomputed for s in scheduler.running if s.is_prefilling))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 60), min_size=2, max_size=12),
+    held=st.integers(0, 11),
+    max_new=st.integers(1, 16),
+    max_num_seqs=st.integers(1, 8),
+    budget=st.integers(1, 48),
+    block_size=st.sampled_from([2, 4]),
+    hybrid=st.booleans(),
+    spare_blocks=st.integers(0, 8),
+    steps=st.integers(1, 4),
+    min_tokens=st.integers(1, 12),
+    seed=st.integers(0, 1000),
+)
+def test_paced_prefills_take_their_share_of_the_backlog_and_lose_nothing(
+        lengths, held, max_new, max_num_seqs, budget, block_size, hybrid, spare_blocks, steps,
+        min_tokens, seed):
+    """prefill_pacing_steps: a step that carries decodes takes at most
+    max(ceil(backlog / steps), min) prompt tokens; requests arriving mid-run (one a step)
+    and preemptions keep the waiting count exact; every output is the unpaced one."""
+    held = min(held, len(lengths) - 1)
+    scheduler, runner, prompts = workload(lengths, max_new, max_num_seqs, budget, block_size,
+                                          2, hybrid, spare_blocks, seed, held=held)
+    scheduler.prefill_pacing_steps, scheduler.pacing_min_tokens = steps, min_tokens
+    seqs, late = list(scheduler.waiting) + runner.held, list(runner.held)
+    paced = 0
+    for _ in range(10_000):
+        if late:
+            scheduler.add(late.pop(0))
+        if not scheduler.has_work():
+            break
+        backlog = prompt_backlog(scheduler)
+        assert scheduler.waiting_tokens == sum(len(s.token_ids) for s in scheduler.waiting)
+        decodes = {s.seq_id for s in scheduler.running if not s.is_prefilling}
+        batch = scheduler.schedule()
+        prompt = sum(n for s, n in zip(batch.seqs, batch.num_new, strict=True)
+                     if s.seq_id not in decodes)
+        if decodes:
+            assert prompt <= max(-(-backlog // steps), min_tokens)
+            paced += prompt < min(backlog, budget - len(decodes))
+        scheduler.postprocess(batch, runner.run(batch), frozenset())
+    assert not scheduler.has_work() and not late
+    event(f"a step held prompt tokens back: {paced > 0}")
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.output_ids == unrolled(prompt, max_new)
+    for grp in scheduler.block_manager.groups:
+        assert grp.num_free == grp.num_blocks
+
+
+@pytest.mark.parametrize("steps, expected", [(0, [2044, 4]), (2, [1024, 512, 256, 256]),
+                                             (4, [512, 384, 288, 256, 256, 256, 96])])
+def test_pacing_spreads_prompts_that_arrive_together(steps, expected):
+    """Four requests decode when two 1024-token prompts arrive at once (budget 2048).
+    Unpaced, one step takes 2044 prompt tokens and the next 4; paced over ``steps``, each
+    step takes ceil(backlog / steps), at least 256 (the numbers follow from that rule:
+    2048 -> 1024 -> 512 -> 256 -> 256 for 2 steps)."""
+    scheduler, runner, _ = workload([4, 4, 4, 4, 1024, 1024], 40, 8, 2048, 16, 4, True, 400,
+                                    seed=0, held=2)
+    scheduler.prefill_pacing_steps = steps
+    for _ in range(2):  # the four short prompts, then their first decode
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, runner.run(batch), frozenset())
+    assert batch.num_new == [1, 1, 1, 1]
+    for seq in runner.held:
+        scheduler.add(seq)
+    taken = []
+    while any(s.num_computed < s.num_prompt_tokens for s in runner.held):
+        batch = scheduler.schedule()
+        assert batch.num_new[:4] == [1, 1, 1, 1]  # every decode, every step
+        taken.append(sum(n for s, n in zip(batch.seqs, batch.num_new, strict=True)
+                         if s in runner.held and s.num_computed < s.num_prompt_tokens))
+        scheduler.postprocess(batch, runner.run(batch), frozenset())
+    assert taken == expected
+
+
+def test_pacing_reaches_the_scheduler_and_is_checked(tmp_path):
+    import argparse
+
+    from llama4_tiny import write_tiny_llama4
+
+    import chunklocal
+    from chunklocal.server import cli as serve_cli
+
+    write_tiny_llama4(tmp_path, seed=0)
+    llm = chunklocal.LLM(tmp_path, device="cpu", dtype=torch.float32, max_model_len=128,
+                         block_size=4, prefill_pacing_steps=3)
+    assert llm.scheduler.prefill_pacing_steps == 3
+    with pytest.raises(ValueError, match="prefill_pacing_steps must be >= 0.*-1"):
+        chunklocal.LLM(tmp_path, device="cpu", prefill_pacing_steps=-1)
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args([str(tmp_path), "--prefill-pacing-steps", "2"])
+    assert serve_cli.llm_kwargs(args)["prefill_pacing_steps"] == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args([str(tmp_path), "--prefill-pacing-steps", "-1"])

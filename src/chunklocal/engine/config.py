@@ -49,6 +49,7 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "builtin"  # or "sha256" (engine/prefix_cache.py)
     calculate_kv_scales: bool = False  # FP8 KV scales from the first step (kv_quant.py)
     long_prefill_token_threshold: int = 0  # prompt tokens per request per step (0: no cap)
+    prefill_pacing_steps: int = 0  # steps a decode step spreads the prompt backlog over
 
     def __post_init__(self):
         checked = check_arguments(**{f.name: getattr(self, f.name) for f in fields(self)})

@@ -50,6 +50,8 @@ class LLM(OwnsWorkers):
     default, bf16 unless the checkpoint is 16-bit).  ``max_num_seqs`` /
     ``max_num_batched_tokens``: requests and query tokens per step (drafts count);
     ``long_prefill_token_threshold`` (vLLM's): prompt tokens per request per step (0: no cap).
+    ``prefill_pacing_steps`` (ours, 0: off): while decodes run, a step takes at most 1/N of
+    the uncomputed prompt tokens (at least 256), which keeps the decodes' steps even.
     ``max_model_len``: prompt + new tokens per request (default: the config's
     max_position_embeddings).  ``num_kv_blocks``: pages of ``block_size`` tokens in
     the global (or merged) group's pool; None sizes it from a memory budget:
@@ -113,7 +115,8 @@ class LLM(OwnsWorkers):
                  async_scheduling=None, tensor_parallel_size=1, moe_parallel="tp",
                  enable_prefix_caching=True, kv_cache_dtype="auto", tokenizer=None,
                  gpu_memory_utilization=0.9, prefix_caching_hash_algo="builtin",
-                 calculate_kv_scales=False, long_prefill_token_threshold=0):
+                 calculate_kv_scales=False, long_prefill_token_threshold=0,
+                 prefill_pacing_steps=0):
         settings = dict(locals())  # every keyword argument: EngineConfig's fields
         del settings["self"], settings["model"]
         self.model_dir = check_model(model)
@@ -202,7 +205,8 @@ class LLM(OwnsWorkers):
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    self.num_speculative_tokens, pad_drafts=self.cuda_graphs,
-                                   long_prefill_token_threshold=cfg.long_prefill_token_threshold)
+                                   long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+                                   prefill_pacing_steps=cfg.prefill_pacing_steps)
         if n == 1:
             with on_device:  # CUDA graphs are captured here
                 self.runner: StepRunner = build_runner(setup, self.model, self.device,

@@ -59,7 +59,8 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
                     tensor_parallel_size, moe_parallel, enable_prefix_caching=True,
                     kv_cache_dtype="auto", gpu_memory_utilization=0.9,
                     prefix_caching_hash_algo="builtin", tokenizer=None,
-                    calculate_kv_scales=False, long_prefill_token_threshold=0) -> dict:
+                    calculate_kv_scales=False, long_prefill_token_threshold=0,
+                    prefill_pacing_steps=0) -> dict:
     """Every argument but ``model``, checked by itself; returns them normalised (ints as
     int, the device as a torch.device, the dtype as a torch.dtype or None)."""
     out = dict(
@@ -95,6 +96,10 @@ def check_arguments(*, device, dtype, max_num_seqs, max_num_batched_tokens, max_
         raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap), got "
                          f"{long_prefill_token_threshold}")
     out["long_prefill_token_threshold"] = int(long_prefill_token_threshold)
+    if as_int(prefill_pacing_steps, "prefill_pacing_steps") < 0:
+        raise ValueError(f"prefill_pacing_steps must be >= 0 (0: no pacing), got "
+                         f"{prefill_pacing_steps}")
+    out["prefill_pacing_steps"] = int(prefill_pacing_steps)
     if as_int(num_speculative_tokens, "num_speculative_tokens") < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
     out["num_speculative_tokens"] = int(num_speculative_tokens)

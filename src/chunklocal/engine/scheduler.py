@@ -4,6 +4,13 @@ Per step, under ``max_num_seqs`` running requests and ``max_num_batched_tokens``
 query tokens: decodes first (each with its prompt-lookup draft, if speculative
 decoding is on), then prefills already under way, then new admissions.  A
 prefill longer than the remaining budget is split anywhere, also mid-chunk.
+With ``prefill_pacing_steps`` H > 0, a step that carries decodes takes at most
+``max(ceil(backlog / H), PACING_MIN_TOKENS)`` prompt tokens, the backlog being every prompt
+token not yet computed (running prefills and waiting requests).  Prompts that arrive
+together (clients of one cohort, finishing in the same step) then spread over several
+steps instead of alternating full and decode-only steps, so the decodes' inter-token gaps
+stay even; the backlog still drains (each step takes at least 1/H of it).
+
 Admission first looks the request's prompt up in the prefix cache (engine/prefix_cache.py)
 and computes only what is not cached.  Admission waits while pages are short; a
 running request that cannot get pages preempts the most recently admitted unscheduled
@@ -27,6 +34,10 @@ import numpy as np
 
 from chunklocal.engine.block_manager import BlockManager
 from chunklocal.engine.sequence import Sequence, Status
+
+#: Prompt tokens a paced step may always take, however small the backlog: a short
+#: prompt is not cut into slivers, and its cost beside the decodes stays small.
+PACING_MIN_TOKENS = 256
 
 
 @dataclass
@@ -73,7 +84,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  num_speculative_tokens: int = 0, pad_drafts: bool = False,
-                 long_prefill_token_threshold: int = 0):
+                 long_prefill_token_threshold: int = 0, prefill_pacing_steps: int = 0):
         self.block_manager = block_manager
         #: Prompt tokens one request may prefill per step (vLLM's
         #: ``long_prefill_token_threshold``; 0: the step's whole budget).  A lower cap shares
@@ -81,6 +92,9 @@ class Scheduler:
         #: stretches the decodes' steps less (their inter-token latency), at the cost of its
         #: own time to first token.
         self.prefill_cap = long_prefill_token_threshold or max_num_batched_tokens
+        #: Steps a step with decodes spreads the prompt backlog over (0: no pacing).
+        self.prefill_pacing_steps = prefill_pacing_steps
+        self.pacing_min_tokens = PACING_MIN_TOKENS
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -89,6 +103,9 @@ class Scheduler:
         #: A filler token is accepted only when it is the greedy token anyway.
         self.pad_drafts = pad_drafts
         self.waiting: deque[Sequence] = deque()
+        #: Tokens the waiting requests will prefill (their whole ``token_ids``: a waiting
+        #: request has no KV), kept as requests come and go instead of summed per step.
+        self.waiting_tokens = 0
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_draft_tokens = 0
@@ -99,6 +116,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.waiting_tokens += len(seq.token_ids)
         self.tokens_left += seq.num_prompt_tokens + seq.max_tokens
 
     def has_work(self) -> bool:
@@ -118,7 +136,7 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self.block_manager.reset_cache()  # the failed step's KV may be half written
-        self.tokens_left = self.steps_without_token = 0
+        self.tokens_left = self.steps_without_token = self.waiting_tokens = 0
         return dropped
 
     def abort(self, seq: Sequence) -> bool:
@@ -129,6 +147,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+            self.waiting_tokens -= len(seq.token_ids)
         self.block_manager.free(seq)
         seq.status = Status.FINISHED
         self.tokens_left -= seq.num_prompt_tokens + seq.max_tokens
@@ -152,6 +171,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
+        self.waiting_tokens += len(seq.token_ids)
 
     def _fit(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         """Get pages for ``seq``, preempting unscheduled later requests; False if it yields."""
@@ -179,11 +199,21 @@ class Scheduler:
         batch.add_decodes(decodes)
         return True
 
+    def _prefill_room(self, num_decodes: int, prefills: list[Sequence], budget: int) -> int:
+        """Prompt tokens this step may take: the whole budget, or the paced share of the
+        backlog when decodes run beside it (module docstring)."""
+        steps = self.prefill_pacing_steps
+        if not steps or not num_decodes:
+            return budget
+        backlog = self.waiting_tokens + sum(s.num_uncomputed for s in prefills)
+        return min(budget, max(-(-backlog // steps), self.pacing_min_tokens))
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         decodes = [s for s in self.running if len(s.token_ids) - s.num_computed <= 1]
         prefills = [s for s in self.running if len(s.token_ids) - s.num_computed > 1]
+        room = self._prefill_room(len(decodes), prefills, budget - len(decodes))
         if self._decodes_at_once(decodes, batch, budget):
             budget -= len(decodes)
             decodes = []
@@ -193,13 +223,17 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted by an earlier request this step
                 continue
             if seq.is_prefilling:
-                draft, num_new = [], min(seq.num_uncomputed, budget, self.prefill_cap)
+                if room == 0:
+                    break  # prefills come after every decode
+                draft, num_new = [], min(seq.num_uncomputed, budget, self.prefill_cap, room)
             else:
                 draft = self._draft(seq)[:budget - 1]
                 num_new = 1 + len(draft)
             if self._fit(seq, num_new, batch):
                 batch.add(seq, num_new, draft)
                 budget -= num_new
+                room -= num_new if seq.is_prefilling else 0
+        budget = min(budget, room)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             with self.block_manager.lock:  # a hit's pages stay cached until allocated
@@ -210,6 +244,7 @@ class Scheduler:
                     break  # admission waits for pages
                 self.block_manager.allocate(seq, num_new, hit)
             self.waiting.popleft()
+            self.waiting_tokens -= len(seq.token_ids)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)

@@ -38,6 +38,7 @@ LLM_FLAGS = {
     "prefix_caching_hash_algo": "prefix_caching_hash_algo", "tokenizer": "tokenizer",
     "calculate_kv_scales": "calculate_kv_scales",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
+    "prefill_pacing_steps": "prefill_pacing_steps",
 }
 
 log = logging.getLogger("chunklocal.server")
@@ -122,6 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--long-prefill-token-threshold", type=_int_at_least(0), default=0,
                    help="prompt tokens one request may prefill per step (0, the default: "
                    "no cap); lower trades its time to first token for the decodes' ITL")
+    e.add_argument("--prefill-pacing-steps", type=_int_at_least(0), default=0,
+                   help="while decodes run, a step takes at most 1/N of the prompt tokens "
+                   "waiting (at least 256), so prompts that arrive together spread over "
+                   "steps and the decodes' ITL stays even (0, the default: no pacing)")
     e.add_argument("--max-model-len", type=_positive, default=None,
                    help="prompt + new tokens per request (default: max_position_embeddings)")
     e.add_argument("--block-size", type=_positive, default=16,
