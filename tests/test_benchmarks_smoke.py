@@ -1115,3 +1115,18 @@ def test_serve_checks_and_counts_each_request_s_own_max_tokens():
     assert sorted(m for c in engine.calls[2:] for m in c) == sorted(asked)
     assert (row["completed"], row["failed"]) == (3, 1)
     assert row["output_tokens_per_s"] == (8 + 5 + 12) / row["wall_s"]
+
+
+def test_serve_keeps_one_gap_per_chunk_beside_the_split_itl():
+    """A chunk carrying two tokens after 20 ms counts as two 10 ms gaps in the ITL (the
+    gap split over its tokens) but as one 20 ms gap in ``chunk_gap_*`` (vLLM's benchmark
+    keeps one gap per chunk), and ``multi_token_chunks`` says how often that happens."""
+    from benchmarks import serve
+
+    rec = {"error": None, "finish": "length", "tokens": 4, "usage": 4, "ttft": 0.1,
+           "itl": [0.005, 0.010, 0.010], "gaps": [0.005, 0.020], "chunk_tokens": [1, 2],
+           "e2e": 0.2, "cached": 0}
+    row = serve.summarize(1, [(0, rec)], 1.0, [4])
+    assert row["itl_max_ms"] == 10.0
+    assert (row["chunk_gap_p50_ms"], row["chunk_gap_p99_ms"]) == (5.0, 20.0)
+    assert row["multi_token_chunks"] == 0.5

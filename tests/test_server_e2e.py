@@ -400,6 +400,8 @@ def test_load_test_script_against_the_server(server, tmp_path):
     assert all(r["itl_p50_ms"] <= r["itl_p90_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
                and (r["itl_over_2x_p50"] > 0) == (r["itl_max_ms"] > 2 * r["itl_p50_ms"])
                for r in data["rows"])
+    assert all(r["chunk_gap_p50_ms"] <= r["chunk_gap_p99_ms"]
+               and 0 <= r["multi_token_chunks"] <= 1 for r in data["rows"])
     after = server.metrics()
     assert after["vllm:generation_tokens_total"] - before[
         "vllm:generation_tokens_total"] >= (3 + 2 * 8) * 8  # the warm-up's 3 untimed
