@@ -1085,7 +1085,8 @@ def test_serve_checks_and_counts_each_request_s_own_max_tokens():
     asked = [8, 10, 5, 12]
     streamed = [8, 8, 5, 12]  # prompt 1 asked for 10 and got the mean
     records = [(i, {"error": None, "finish": "length", "tokens": t, "usage": t, "ttft": 0.1,
-                    "itl": [0.01] * (t - 1), "e2e": 0.2, "cached": 0})
+                    "gaps": [0.01] * (t - 1), "chunk_tokens": [1] * (t - 1), "e2e": 0.2,
+                    "cached": 0})
                for i, t in enumerate(streamed)]
     problems = serve._problems("4 clients", records, asked)
     assert problems == ["4 clients, prompt 1: incomplete: finish_reason length, 8 streamed "
@@ -1124,7 +1125,7 @@ def test_serve_keeps_one_gap_per_chunk_beside_the_split_itl():
     from benchmarks import serve
 
     rec = {"error": None, "finish": "length", "tokens": 4, "usage": 4, "ttft": 0.1,
-           "itl": [0.005, 0.010, 0.010], "gaps": [0.005, 0.020], "chunk_tokens": [1, 2],
+           "gaps": [0.005, 0.020], "chunk_tokens": [1, 2],
            "e2e": 0.2, "cached": 0}
     row = serve.summarize(1, [(0, rec)], 1.0, [4])
     assert row["itl_max_ms"] == 10.0
