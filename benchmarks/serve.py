@@ -129,9 +129,10 @@ def percentile(values, q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def _one(conn, body: dict) -> dict:
+async def _one(conn, body: dict, progress: dict | None = None) -> dict:
     """Send one streaming request on ``conn`` (benchmarks/serve_client.py); return its
-    timings, text and token counts."""
+    timings, text and token counts. ``progress["tokens"]``, if given, counts every
+    streamed token as it arrives (the level's running figure)."""
     rec = {"ttft": None, "gaps": [], "chunk_tokens": [], "tokens": 0, "text": "",
            "finish": None, "usage": None, "cached": None, "error": None}
     start = last = time.perf_counter()
@@ -155,6 +156,8 @@ async def _one(conn, body: dict) -> dict:
                     rec["gaps"].append(now - last)  # one per chunk, as vLLM's benchmark
                     rec["chunk_tokens"].append(new)
                 rec["tokens"] += new
+                if progress is not None:
+                    progress["tokens"] += new
                 last = now
             rec["text"] += choice["text"]
             rec["finish"] = choice["finish_reason"] or rec["finish"]
@@ -180,8 +183,24 @@ def _problems(level: str, records, max_tokens: list[int]) -> list[str]:
             if (problem := _problem(r, max_tokens[i])) is not None]
 
 
-async def run_level(url, model, headers, prompts, clients, max_tokens, duration, timeout):
-    """Prompt i asks for ``max_tokens[i]`` tokens."""
+async def report_progress(progress: dict, start: float, every: float, print_=print) -> None:
+    """Every ``every`` seconds, one line: requests finished, tokens streamed so far and the
+    output rate over the last interval, so a run cut short by a time limit still shows its
+    steady-state rate."""
+    last_t, last_tokens = start, 0
+    while True:
+        await asyncio.sleep(every)
+        now, tokens = time.perf_counter(), progress["tokens"]
+        print_(f"  {now - start:7.1f} s: {progress['finished']} requests finished, {tokens} "
+               f"tokens streamed, {(tokens - last_tokens) / (now - last_t):,.0f} tok/s over "
+               f"the last {now - last_t:.1f} s", flush=True)
+        last_t, last_tokens = now, tokens
+
+
+async def run_level(url, model, headers, prompts, clients, max_tokens, duration, timeout,
+                    progress_every: float = 0.0):
+    """Prompt i asks for ``max_tokens[i]`` tokens. ``progress_every`` > 0: a progress line
+    that often (:func:`report_progress`)."""
     bodies = [{"model": model, "prompt": p, "max_tokens": m, "temperature": 0.0,
                "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -189,6 +208,7 @@ async def run_level(url, model, headers, prompts, clients, max_tokens, duration,
     records: list[tuple[int, dict]] = []
     next_index = iter(range(len(bodies)))
     start = time.perf_counter()
+    progress = {"tokens": 0, "finished": 0}
 
     async def worker():
         conn = Connection(url, headers)  # one keep-alive connection per client
@@ -197,15 +217,22 @@ async def run_level(url, model, headers, prompts, clients, max_tokens, duration,
                 if time.perf_counter() - start > duration:
                     return
                 try:
-                    rec = await asyncio.wait_for(_one(conn, bodies[i]), timeout)
+                    rec = await asyncio.wait_for(_one(conn, bodies[i], progress), timeout)
                 except asyncio.TimeoutError:
                     await conn.close()
                     rec = {"error": f"no answer within {timeout} s (--timeout)"}
                 records.append((i, rec))
+                progress["finished"] += 1
         finally:
             await conn.close()
 
-    await asyncio.gather(*(worker() for _ in range(clients)))
+    reporter = (asyncio.create_task(report_progress(progress, start, progress_every))
+                if progress_every > 0 else None)
+    try:
+        await asyncio.gather(*(worker() for _ in range(clients)))
+    finally:
+        if reporter is not None:
+            reporter.cancel()
     return records, time.perf_counter() - start
 
 
@@ -441,6 +468,12 @@ def main(argv=None) -> int:
                    help="send this many of the prompts first, at the first level's client "
                    "count, untimed: the first level then meets a warm server (kernels for "
                    "new row counts compiled, as the offline floor's own warm-up does)")
+    p.add_argument("--progress", type=float, default=0.0,
+                   help="print the level's running output rate every this many seconds "
+                   "(0: never); a run cut short still shows its steady state")
+    p.add_argument("--server-log", type=Path, default=None,
+                   help="the launched server's stdout and stderr go to this file (start-up "
+                   "time, the KV pool summary, errors)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
@@ -470,10 +503,16 @@ def main(argv=None) -> int:
     if args.launch is not None:
         port = free_port()
         args.url = f"http://127.0.0.1:{port}"
+        log = None
+        if args.server_log is not None:
+            args.server_log.parent.mkdir(parents=True, exist_ok=True)
+            log = open(args.server_log, "w")  # noqa: SIM115 - the child writes it till it stops
         proc = launch_server(args.launch, port, ["--disable-uvicorn-access-log",
-                                                 *shlex.split(args.serve_args)])
+                                                 *shlex.split(args.serve_args)], log=log)
     if args.url is None:
         p.error("give --url of a running server, or --launch DIR")
+    if proc is not None:  # a time limit's SIGTERM stops the launched server too (finally)
+        signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         return _run(args, headers, proc)
@@ -485,7 +524,9 @@ def main(argv=None) -> int:
 def _run(args, headers, proc) -> int:
     import httpx
 
-    wait_healthy(args.url, proc)
+    started = time.perf_counter()
+    wait_healthy(args.url, proc, timeout=900)
+    print(f"server healthy after {time.perf_counter() - started:.1f} s", flush=True)
     model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers).json()[
         "data"][0]["id"]
     n = args.requests
@@ -505,7 +546,8 @@ def _run(args, headers, proc) -> int:
         prompts, max_tokens = prompt_set(args, f"server {clients}", n)
         before = proc_cpu.sample(proc.pid) if proc is not None else {}
         records, wall = asyncio.run(run_level(args.url, model, headers, prompts, clients,
-                                              max_tokens, args.duration, args.timeout))
+                                              max_tokens, args.duration, args.timeout,
+                                              args.progress))
         rows.append(summarize(clients, records, wall, max_tokens))
         if before:  # which thread of the server or the engine process was saturated
             cpu[clients] = proc_cpu.usage(before, proc_cpu.sample(proc.pid), wall, proc.pid)

@@ -1131,3 +1131,30 @@ def test_serve_keeps_one_gap_per_chunk_beside_the_split_itl():
     assert row["itl_max_ms"] == 10.0
     assert (row["chunk_gap_p50_ms"], row["chunk_gap_p99_ms"]) == (5.0, 20.0)
     assert row["multi_token_chunks"] == 0.5
+
+
+def test_serve_progress_line_reports_the_interval_s_rate(monkeypatch):
+    """The running figure of a level cut short: tokens streamed in the last interval over
+    its length (the clock is stepped by hand, so the rate is exact)."""
+    import asyncio
+
+    from benchmarks import serve
+
+    clock = iter([10.5, 12.5])  # two ticks: 0.5 s, then 2.0 s after the level's start at 10.0
+    monkeypatch.setattr(serve.time, "perf_counter", lambda: next(clock))
+    progress, lines = {"tokens": 100, "finished": 1}, []
+
+    async def sleep(_):
+        if len(lines) == 1:
+            progress.update(tokens=400, finished=3)
+        if len(lines) == 2:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(serve.asyncio, "sleep", sleep)
+    try:
+        asyncio.run(serve.report_progress(progress, 10.0, 1.0,
+                                          lambda line, **_: lines.append(line)))
+    except asyncio.CancelledError:
+        pass
+    assert "1 requests finished, 100 tokens streamed, 200 tok/s over the last 0.5 s" in lines[0]
+    assert "3 requests finished, 400 tokens streamed, 150 tok/s over the last 2.0 s" in lines[1]
