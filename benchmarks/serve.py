@@ -451,12 +451,18 @@ def main(argv=None) -> int:
     p.add_argument("--make-tiny", type=Path, default=None,
                    help="write the tiny CPU checkpoint to this directory first")
     p.add_argument("--make-scout", type=Path, default=None,
-                   help="write the Scout-shaped random checkpoint (GPU) to this directory first")
+                   help="write the Scout-shaped random checkpoint (GPU) to this directory "
+                   "first: 4 layers with Scout's attention and its dense MLP (no experts, so "
+                   "--routing changes nothing; --make-dummy scout4 has the experts)")
     p.add_argument("--scout-max-len", type=int, default=8192,
                    help="max_position_embeddings of --make-scout")
     p.add_argument("--make-scout-fp8", type=Path, default=None,
                    help="write full-size Scout FP8's config.json (no weights: serve it with "
                    "--load-format dummy) to this directory first")
+    p.add_argument("--make-dummy", nargs=2, metavar=("MODEL", "DIR"), default=None,
+                   help="write the config.json of a benchmarks.decode_floor geometry (scout4, "
+                   "maverick4: 4 MoE layers; scout-fp8, scout-fp8-12: full-size FP8 layers) "
+                   "to DIR first; serve it with --load-format dummy")
     p.add_argument("--routing", choices=sorted(ROUTING), default="model",
                    help="the experts' routing in the server and the offline floor: the "
                    "weights' own (model) or a simulated spread (models/moe.py)")
@@ -498,6 +504,13 @@ def main(argv=None) -> int:
         from benchmarks.decode_floor import write_config
 
         write_config(args.make_scout_fp8, "scout-fp8")
+    if args.make_dummy is not None:
+        from benchmarks.decode_floor import MODELS, write_config
+
+        model, path = args.make_dummy
+        if model not in MODELS:
+            p.error(f"--make-dummy {model}: not one of {', '.join(sorted(MODELS))}")
+        write_config(Path(path), model)
     use_routing(ROUTING[args.routing])
     proc = None
     if args.launch is not None:

@@ -1158,3 +1158,21 @@ def test_serve_progress_line_reports_the_interval_s_rate(monkeypatch):
         pass
     assert "1 requests finished, 100 tokens streamed, 200 tok/s over the last 0.5 s" in lines[0]
     assert "3 requests finished, 400 tokens streamed, 150 tok/s over the last 2.0 s" in lines[1]
+
+
+def test_serve_make_dummy_writes_a_moe_geometry_and_refuses_unknown_names(tmp_path,
+                                                                          monkeypatch, capsys):
+    """--make-dummy scout4 writes the 4-layer Scout geometry with its experts (every layer
+    MoE, 16 experts), unlike --make-scout's dense checkpoint; an unknown name is refused
+    with the flag and the known names."""
+    import json
+
+    _serve_args(monkeypatch, "--make-dummy", "scout4", str(tmp_path / "s4"))
+    text = json.loads((tmp_path / "s4" / "config.json").read_text())["text_config"]
+    assert text["moe_layers"] == [0, 1, 2, 3] and text["num_local_experts"] == 16
+    assert text["num_hidden_layers"] == 4
+    with pytest.raises(SystemExit):
+        _serve_args(monkeypatch, "--make-dummy", "scout5", str(tmp_path / "x"))
+    err = capsys.readouterr().err
+    assert "--make-dummy scout5" in err and "scout4" in err
+    assert not (tmp_path / "x").exists()
