@@ -114,3 +114,53 @@ def test_float32_eager_and_captured():
         out = ours(static_x)
     graph.replay()
     assert rel_norm(out, expected) < 1e-5
+
+
+def _stranded() -> int:
+    """Bytes torch's allocator holds but cannot give back: cached, unallocated, in segments
+    that are partly in use (what the engine's memory profile counts as non-torch memory)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def _layers(n: int) -> list:
+    """MoE layers whose stacks are large (w13 134 MB, w2 67 MB in bf16), built in bf16 on
+    the host and moved whole: each tensor its own segment, as the loader's are."""
+    from torch import nn
+    return [moe_module.MoE(4, 1, 2048, 4096, nn.SiLU()).to(BF16).to("cuda") for _ in range(n)]
+
+
+def _stack_w13_first(layer) -> None:
+    """The control: the order stack_shared had, the new w13 replacing the old before the
+    new w2 is made, so the new (smaller) w2 can take a piece of the freed w13."""
+    from torch import nn
+    ex, sh = layer.experts, layer.shared_expert
+    gate_up = torch.cat([sh.gate_proj.weight, sh.up_proj.weight])
+    ex.w13 = nn.Parameter(torch.cat([ex.w13, gate_up.unsqueeze(0)]), requires_grad=False)
+    ex.w2 = nn.Parameter(torch.cat([ex.w2, sh.down_proj.weight.unsqueeze(0)]),
+                         requires_grad=False)
+    layer.shared_expert = None
+
+
+@torch.no_grad()
+def test_stacking_the_shared_expert_gives_the_old_stacks_back_whole():
+    """Full-size Scout FP8 lost 26 GiB of its KV pool to stacks freed in pieces (models/
+    moe.py, MoE.stack_shared).  The control shows the measurement sees such a split (about
+    50 MB a layer here); stack_shared must leave nothing stranded."""
+    mib = 1 << 20
+    control = _layers(4)
+    start = _stranded()
+    for layer in control:
+        _stack_w13_first(layer)
+    split = _stranded() - start
+    del control, layer
+    ours = _layers(4)
+    start = _stranded()
+    for layer in ours:
+        assert layer.stack_shared() and layer.experts.w13.shape[0] == 5
+    left = _stranded() - start
+    print(f"\nstranded by stacking 4 layers: w13 first {split / mib:.1f} MiB, "
+          f"stack_shared {left / mib:.1f} MiB")
+    assert split > 64 * mib, split / mib
+    assert left < 4 * mib, left / mib

@@ -387,14 +387,23 @@ class MoE(nn.Module):
         if any(w.dtype != ex.w13.dtype for w in weight) \
                 or sum(w.shape[0] for w in weight[:-1]) != ex.w13.shape[1]:  # "ep"
             return self.stacked
-        gate_up = stack([*weight[:-1]])
-        ex.w13 = nn.Parameter(stack([ex.w13, gate_up.unsqueeze(0)]), requires_grad=False)
-        ex.w2 = nn.Parameter(stack([ex.w2, weight[-1].unsqueeze(0)]), requires_grad=False)
+        # Both new stacks exist before either old one is freed, then the freed ones go
+        # back to the device: an old w13 freed first was split by the new w2 (smaller), and
+        # the rest of its segment could never be returned.  Full-size Scout FP8 stranded
+        # 26 GiB that way, which the memory profile took for non-torch memory and the KV
+        # pool lost (14 requests of 2304 tokens fit instead of ~300; BENCHMARKS.md).
+        w13 = stack([ex.w13, stack([*weight[:-1]]).unsqueeze(0)])
+        w2 = stack([ex.w2, weight[-1].unsqueeze(0)])
+        ex.w13 = nn.Parameter(w13, requires_grad=False)
+        ex.w2 = nn.Parameter(w2, requires_grad=False)
         if s13 is not None and s2 is not None:
             scales = [m.weight_scale.reshape(-1).float() for m in linears]
             ex.w13_scale = torch.cat([s13, torch.cat(scales[:-1]).unsqueeze(0)])
             ex.w2_scale = torch.cat([s2, scales[-1].unsqueeze(0)])
         self.shared_expert, self.stacked = None, True
+        if w13.is_cuda:  # the old stacks' whole segments, before the next layer splits them
+            del w13, w2, weight, linears, parts, sh
+            torch.cuda.empty_cache()
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
