@@ -112,7 +112,8 @@ def memory_gib(llm) -> dict | None:
     if budget is None:  # the CPU: a RAM budget, nothing profiled
         return None
     return {name: getattr(budget, name) / GIB for name in
-            ("total", "weights", "activations", "graphs", "outside_torch", "headroom")} | {
+            ("total", "weights", "activations", "graphs", "outside_torch", "cached",
+             "headroom")} | {
         "requested": budget.requested / GIB, "kv": llm.kv_pools.total_bytes / GIB}
 
 

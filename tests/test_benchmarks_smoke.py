@@ -389,12 +389,13 @@ def test_long_context_names_where_the_memory_went():
     from chunklocal.engine.memory import MemoryBudget
 
     gib = 1 << 30
-    budget = MemoryBudget(0.9, 140 * gib, 105 * gib, 2 * gib, gib, gib // 2, gib // 8)
+    budget = MemoryBudget(0.9, 140 * gib, 105 * gib, 2 * gib, gib, gib // 2, gib // 8, gib // 4)
     llm = SimpleNamespace(memory_budget=budget,
                           kv_pools=SimpleNamespace(total_bytes=7 * gib))
     got = long_context.memory_gib(llm)
     assert got == {"total": 140, "weights": 105, "activations": 2, "graphs": 1,
-                   "outside_torch": 0.5, "headroom": 0.125, "requested": 126, "kv": 7}
+                   "outside_torch": 0.5, "cached": 0.25, "headroom": 0.125, "requested": 126,
+                   "kv": 7}
 
 
 def test_fp8_kv_accuracy_smoke(tmp_path):

@@ -33,6 +33,7 @@ class FakeMemory:
 
     def __init__(self, total, other=0):
         self.total_bytes, self.other, self.held, self.outside = total, other, 0, 0
+        self.stranded = 0  # torch's cache, unallocated and not returnable by empty_cache
         self.events: list[str] = []
         self.stepped, self.pages, self.runners = False, 0, set()
 
@@ -40,10 +41,13 @@ class FakeMemory:
         return self.total_bytes
 
     def free(self):
-        return self.total_bytes - self.other - self.held - self.outside
+        return self.total_bytes - self.other - self.held - self.stranded - self.outside
 
     def allocated(self):
         return self.held
+
+    def reserved(self):  # torch's cache: what is allocated, and ``stranded`` beside it
+        return self.held + self.stranded
 
     def peak(self):
         self.events.append("peak")
@@ -140,6 +144,30 @@ def test_pools_take_the_fraction_of_total_memory_less_weights_and_the_profiled_s
     assert "gpu_memory_utilization=0.75 of 0.1 GiB" in line[0]
     # The profile's pages are gone; the engine serves from its own.
     assert len(llm.generate([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)[0]) == 4
+
+
+def test_cache_torch_cannot_return_is_reserved_and_named_apart(path, fake, monkeypatch,
+                                                               caplog):
+    """Bytes torch's cache holds unallocated after empty_cache (pieces of segments partly in
+    use; MoE.stack_shared left 26 GiB of them on full-size Scout FP8) are neither free nor
+    non-torch memory: the pools lose them, and the start-up line names them apart."""
+    real_load = llm_module.load_model
+
+    def load(*args, **kwargs):
+        fake.stranded = 4 * MIB  # on top of the fixture's weights and context
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(llm_module, "load_model", load)
+    with caplog.at_level(logging.INFO, logger="chunklocal.engine.llm"):
+        llm = chunklocal.LLM(path, gpu_memory_utilization=0.75, **KW)
+    budget = llm.memory_budget
+    assert (budget.outside_torch, budget.cached) == (CONTEXT, 4 * MIB)
+    left = budget.requested - WEIGHTS - ACTIVATIONS - CONTEXT - 4 * MIB - HEADROOM \
+        - llm.kv_pools.total_bytes
+    assert 0 <= left < llm.kv_pools.groups[-1].page_bytes
+    line = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
+    assert "0.00 GiB outside torch, 0.00 GiB that torch's cache holds and cannot return" \
+        in line[0]
 
 
 def test_a_smaller_fraction_gives_fewer_pages(path, fake):

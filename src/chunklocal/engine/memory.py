@@ -14,8 +14,11 @@ own buffers) is the activation reserve.  vLLM's procedure leaves CUDA graphs to 
 recorder), their peak is reserved too, and they are dropped.  (An eager step of the largest
 graph shape, tried first, reserved 1 MiB on an H200 and the engine went 32 MiB past the
 fraction.)  Memory outside torch's allocator that grew since start-up (CUDA context,
-library workspaces: ``mem_get_info`` less allocated) is reserved too.  The KV pools then
-take ``u x total - weights - activations - graphs - non-torch`` (bounds/kv_pools.py,
+library workspaces: ``mem_get_info`` less torch's reserved bytes) is reserved too, and so
+is what torch's cache still holds after ``empty_cache`` (reserved less allocated: pieces
+of segments partly in use, which it cannot return; reported apart, since it is a defect
+to fix where it grows, as MoE.stack_shared's 26 GiB was).  The KV pools then take
+``u x total - weights - activations - graphs - non-torch - cached`` (bounds/kv_pools.py,
 capped at ``max_num_seqs`` requests of ``max_model_len``).  With tensor parallelism every
 rank does this on its own device (engine/workers.py: its baseline before its slices load,
 its profile step run with its peers, whose collectives meet), and the pools, the same on
@@ -56,6 +59,7 @@ class DeviceMemory(Protocol):
     def total(self) -> int: ...
     def free(self) -> int: ...
     def allocated(self) -> int: ...
+    def reserved(self) -> int: ...       # held by torch's cache, allocated or not
     def peak(self) -> int: ...           # most allocated since reset_peak()
     def reset_peak(self) -> None: ...
     def empty_cache(self) -> None: ...
@@ -75,6 +79,9 @@ class CudaMemory:
 
     def allocated(self) -> int:
         return int(torch.cuda.memory_allocated(self.device))
+
+    def reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
 
     def peak(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.device))
@@ -112,23 +119,33 @@ def check_utilization(value) -> float:
 
 @dataclass(frozen=True)
 class Baseline:
-    """The device before the engine takes anything: its total, free and torch-allocated
-    bytes (what grows outside torch's allocator is measured from here)."""
+    """The device before the engine takes anything: its total, free, torch-allocated and
+    torch-reserved bytes (what grows outside torch's allocator, and what its cache cannot
+    give back, are measured from here)."""
 
     total: int
     free: int
     allocated: int
+    reserved: int = 0
 
     @classmethod
     def take(cls, memory: DeviceMemory) -> Baseline:
         settle(memory)
-        return cls(memory.total(), memory.free(), memory.allocated())
+        return cls(memory.total(), memory.free(), memory.allocated(), memory.reserved())
 
     def outside_torch(self, memory: DeviceMemory) -> int:
         """Bytes outside torch's allocator that grew since the baseline (never < 0)."""
         settle(memory)
-        now = memory.total() - memory.free() - memory.allocated()
-        return max(0, now - (self.total - self.free - self.allocated))
+        now = memory.total() - memory.free() - memory.reserved()
+        return max(0, now - (self.total - self.free - self.reserved))
+
+    def cached(self, memory: DeviceMemory) -> int:
+        """Bytes torch's cache holds unallocated after ``empty_cache`` beyond the baseline's
+        (never < 0): free pieces of segments partly in use, which only freeing the rest of
+        the segment returns."""
+        settle(memory)
+        return max(0, memory.reserved() - memory.allocated()
+                   - (self.reserved - self.allocated))
 
 
 @dataclass(frozen=True)
@@ -142,6 +159,7 @@ class MemoryBudget:
     graphs: int = 0       # estimate of the CUDA graphs' pool
     outside_torch: int = 0
     headroom: int = 0     # PROFILE_HEADROOM x total once profiled
+    cached: int = 0       # torch's cache, unallocated and not returnable (Baseline.cached)
 
     @classmethod
     def profiled(cls, utilization: float, baseline: Baseline, memory: DeviceMemory,
@@ -149,7 +167,8 @@ class MemoryBudget:
         """Once the weights loaded and the largest step ran: with what grew outside torch
         since the baseline, and PROFILE_HEADROOM of the device kept free."""
         return cls(utilization, baseline.total, weights, activations, graphs,
-                   baseline.outside_torch(memory), int(PROFILE_HEADROOM * baseline.total))
+                   baseline.outside_torch(memory), int(PROFILE_HEADROOM * baseline.total),
+                   baseline.cached(memory))
 
     @property
     def requested(self) -> int:
@@ -157,17 +176,19 @@ class MemoryBudget:
 
     @property
     def reserved(self) -> int:
-        """Activations, graphs, non-torch memory and the headroom: what the KV pools
-        cannot take."""
-        return self.activations + self.graphs + self.outside_torch + self.headroom
+        """Activations, graphs, non-torch memory, torch's stranded cache and the
+        headroom: what the KV pools cannot take."""
+        return (self.activations + self.graphs + self.outside_torch + self.cached
+                + self.headroom)
 
     def note(self) -> str:
         """Where the KV budget comes from, for messages."""
         return (f"gpu_memory_utilization={self.utilization} of {self.total / GIB:.1f} GiB, "
                 f"less {self.weights / GIB:.2f} GiB of weights, {self.activations / GIB:.2f} "
                 f"GiB of activations, {self.graphs / GIB:.2f} GiB of CUDA graphs, "
-                f"{self.outside_torch / GIB:.2f} GiB outside torch and "
-                f"{self.headroom / GIB:.2f} GiB of headroom")
+                f"{self.outside_torch / GIB:.2f} GiB outside torch, "
+                f"{self.cached / GIB:.2f} GiB that torch's cache holds and cannot return "
+                f"and {self.headroom / GIB:.2f} GiB of headroom")
 
 
 def check_start(baseline: Baseline, utilization: float, weight_bytes: int,
