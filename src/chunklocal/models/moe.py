@@ -392,6 +392,8 @@ class MoE(nn.Module):
         # the rest of its segment could never be returned.  Full-size Scout FP8 stranded
         # 26 GiB that way, which the memory profile took for non-torch memory and the KV
         # pool lost (14 requests of 2304 tokens fit instead of ~300; BENCHMARKS.md).
+        if ex.w13.is_cuda:  # cached blocks go back first: the stacks get segments of their own
+            torch.cuda.empty_cache()
         w13 = stack([ex.w13, stack([*weight[:-1]]).unsqueeze(0)])
         w2 = stack([ex.w2, weight[-1].unsqueeze(0)])
         ex.w13 = nn.Parameter(w13, requires_grad=False)
