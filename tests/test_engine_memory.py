@@ -244,8 +244,11 @@ def test_activations_that_leave_no_room_are_refused_after_the_profile(path, fake
     global ACTIVATIONS
     saved, ACTIVATIONS = ACTIVATIONS, 40 * MIB
     try:
-        with pytest.raises(ValueError, match=r"the weights need 0.0 GiB and 0.0 GiB of "
-                                             r"activations, 0.0 GiB is available"):
+        with pytest.raises(ValueError, match=r"the weights need 0.0 GiB and 0.0 GiB more "
+                                             r"is reserved beside them, 0.0 GiB is available "
+                                             r"on cpu \[gpu_memory_utilization=0.5 of 0.1 GiB, "
+                                             r"less 0.00 GiB of weights, 0.04 GiB of "
+                                             r"activations"):
             chunklocal.LLM(path, gpu_memory_utilization=0.5, **KW)
     finally:
         ACTIVATIONS = saved

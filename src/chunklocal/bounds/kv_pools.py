@@ -129,10 +129,13 @@ def plan_kv_pools(layers_of: dict[Kind, int], specs: dict[Kind, Any], *, hybrid:
                        sum(specs[k].page_size_bytes * layers_of[k] for k in kinds)))
     if num_kv_blocks is None:
         if weight_bytes + reserved_bytes > available:
-            extra = f" and {reserved_bytes / GIB:.1f} GiB of activations" \
+            # reserved: activations, graphs, non-torch memory, torch's stranded cache and
+            # headroom; the note (a profiled budget's) says how much of each
+            extra = f" and {reserved_bytes / GIB:.1f} GiB more is reserved beside them" \
                 if reserved_bytes else ""
+            where = f" [{budget_note}]" if budget_note and reserved_bytes else ""
             raise ValueError(f"the weights need {weight_bytes / GIB:.1f} GiB{extra}, "
-                             f"{available / GIB:.1f} GiB is available on {device}")
+                             f"{available / GIB:.1f} GiB is available on {device}{where}")
         budget = int((available - weight_bytes - reserved_bytes) * fraction)
         note = budget_note or (f"{fraction:.0%} of the memory available on {device_type} "
                                f"after the weights")
