@@ -165,9 +165,15 @@ def test_cache_torch_cannot_return_is_reserved_and_named_apart(path, fake, monke
     left = budget.requested - WEIGHTS - ACTIVATIONS - CONTEXT - 4 * MIB - HEADROOM \
         - llm.kv_pools.total_bytes
     assert 0 <= left < llm.kv_pools.groups[-1].page_bytes
-    line = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights ")]
     assert "0.00 GiB outside torch, 0.00 GiB that torch's cache holds and cannot return" \
         in line[0]
+    # 4 MiB of a 64 MiB device is past STRANDED_WARN: said once, as a warning
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "0.00 GiB of device memory sits in torch's cache" \
+        in warned[0].getMessage()
+    assert MemoryBudget(0.9, 100, 50, cached=1).stranded_warning() is None
+    assert MemoryBudget(0.9, 100, 50, cached=2).stranded_warning() is not None
 
 
 def test_a_smaller_fraction_gives_fewer_pages(path, fake):

@@ -190,6 +190,9 @@ class LLM(OwnsWorkers):
         if baseline is not None:  # gpu_memory_utilization sizes KV
             with on_device:
                 self.memory_budget = self._profile(setup, memory, baseline)
+            warning = self.memory_budget.stranded_warning()
+            if warning:
+                log.warning("%s", warning)
             pools = self._plan_pools(specs, cfg.hybrid_kv_cache, None, 0, baseline,
                                      self.memory_budget)
             setup = replace(setup, groups=pool_sizes(pools, specs))
