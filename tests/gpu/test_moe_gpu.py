@@ -165,3 +165,40 @@ def test_stacking_the_shared_expert_gives_the_old_stacks_back_whole():
           f"stack_shared {left / mib:.1f} MiB")
     assert split > 64 * mib, split / mib
     assert left < 4 * mib, left / mib
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared-group"])
+@pytest.mark.parametrize("tokens", [1, 2, 16, 32, 64])
+@torch.no_grad()
+def test_sort_pairs_equals_torchs_path_on_the_gpu(tokens, shared):
+    """models/route_triton.py's one-launch bookkeeping against moe.sort_by_expert and the
+    ops around it, bf16 scores, eagerly and replayed from a CUDA graph (its switch is off by
+    default: this is the check an A/B needs first)."""
+    pytest.importorskip("triton")
+    from chunklocal.models.route_triton import MAX_PAIRS, sort_pairs
+
+    if tokens * (1 + shared) > MAX_PAIRS:
+        pytest.skip("past the kernel's pairs")
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, 16, device="cuda", generator=gen, dtype=BF16)
+    logits[: tokens // 2, 3] += 4  # half the tokens on one expert: the sort's stability
+    top, expert = torch.topk(logits, 1, dim=1)
+    score = torch.sigmoid(top.float()).to(BF16)
+    e, sc, groups = expert, score, 16
+    if shared:
+        e = torch.cat([e, e.new_full((tokens, 1), 16)], dim=1)
+        sc = torch.cat([sc, sc.new_ones(tokens, 1)], dim=1)
+        groups += 1
+    order, offs = moe_module.sort_by_expert(e, groups)
+    want = (order, offs, order // e.shape[1] if e.shape[1] > 1 else order,
+            sc.reshape(-1)[order])
+    got = sort_pairs(expert, score, 16, shared)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = sort_pairs(expert, score, 16, shared)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, g, r, w in zip(("order", "offs", "token", "score"), got, replayed, want,
+                             strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w), (name, g, w)
+        assert torch.equal(r, w), name

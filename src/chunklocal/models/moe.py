@@ -41,6 +41,7 @@ from chunklocal.models.quant_triton import (
     quantize_rows,
     silu_mul_quantize,
 )
+from chunklocal.models.route_triton import route_available, sort_pairs
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -427,13 +428,19 @@ class MoE(nn.Module):
             elsewhere = (expert < 0) | (expert >= num_groups)
             expert = expert.masked_fill(elsewhere, num_groups)
         fused = self.stacked and tokens <= self.fuse_max_tokens
-        if fused:  # the shared expert as group E: every token, score 1
-            expert = torch.cat([expert, expert.new_full((tokens, 1), num_groups)], dim=1)
-            score = torch.cat([score, score.new_ones(tokens, 1)], dim=1)
-            num_groups += 1
-        slots = expert.shape[1]
-        order, offs = sort_by_expert(expert, num_groups)
-        token = order // slots if slots > 1 else order
+        slots = expert.shape[1] + int(fused)
+        if elsewhere is None and route_available(score, tokens * slots):
+            # decode sizes: the bookkeeping below in one launch, the same values
+            order, offs, token, pair_score = sort_pairs(expert, score, num_groups, fused)
+            num_groups += int(fused)
+        else:
+            if fused:  # the shared expert as group E: every token, score 1
+                expert = torch.cat([expert, expert.new_full((tokens, 1), num_groups)], dim=1)
+                score = torch.cat([score, score.new_ones(tokens, 1)], dim=1)
+                num_groups += 1
+            order, offs = sort_by_expert(expert, num_groups)
+            token = order // slots if slots > 1 else order
+            pair_score = score.reshape(-1)[order]  # Llama-4 scales the input
         # Each intermediate is dropped as soon as the next exists (``del``), and the gate's
         # activation and the product are one tensor (gated_act): the memory profile reserves
         # this block's peak for good (engine/memory.py), and on full-size Scout FP8 the
@@ -444,7 +451,6 @@ class MoE(nn.Module):
             s13, s2 = s13[:num_groups], s2[:num_groups]
         small = order.shape[0] <= self.triton_max_pairs
         ub = getattr(ex, "act_scale_ub", None)
-        pair_score = score.reshape(-1)[order]  # Llama-4 scales the input
         routed_in: torch.Tensor | QuantRows
         if gather_quant_available(x, w13):
             routed_in = QuantRows(*quantize_rows(x, ub, token, pair_score), x.dtype)
