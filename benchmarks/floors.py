@@ -161,6 +161,8 @@ def prefill_flops(config, layer_kinds, prompt_len: int, dense_params: int,
 KERNEL_CLASSES = (
     # moe_triton's FP8 kernel runs the routed experts and (as one group) the dense layers
     ("FP8 GEMMs, Triton (experts and dense)", r"_fp8_splitk_kernel"),
+    # route_triton's pair bookkeeping (sort by expert, group ends) in one launch
+    ("MoE routing, Triton", r"_sort_pairs_kernel"),
     ("expert GEMMs", r"GroupProblemShap|_grouped_gemm_kernel|grouped_mm|moe"),
     ("dense GEMMs, FP8", r"nvjet\w*qq|_scaled_mm|f8f8|e4m3"),
     ("dense GEMMs, bf16", r"nvjet|gemm|Gemm|cutlass|sm90_xmma|cublas"),

@@ -313,6 +313,7 @@ TRITON_KERNEL_CLASSES = {
     "_add_rms_norm_kernel": "norms, reductions",
     "_rope_norm_kernel": "norms, reductions",  # rope + QK norm
     "_write_kv_kernel": "KV writes",  # the FP8 KV write, quantization included
+    "_sort_pairs_kernel": "MoE routing, Triton",  # where sorts, cats and gathers were
 }
 
 

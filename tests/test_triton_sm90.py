@@ -21,7 +21,13 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from chunklocal.models import kv_write_triton, moe_triton, norm_triton, quant_triton  # noqa: E402
+from chunklocal.models import (  # noqa: E402
+    kv_write_triton,
+    moe_triton,
+    norm_triton,
+    quant_triton,
+    route_triton,
+)
 from chunklocal.models.quant import FP8  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -83,7 +89,8 @@ def recorded(monkeypatch):
                          (moe_triton, "_splitk_sum_kernel"),
                          (kv_write_triton, "_write_kv_kernel"),
                          (norm_triton, "_add_rms_norm_kernel"),
-                         (norm_triton, "_rope_norm_kernel")):
+                         (norm_triton, "_rope_norm_kernel"),
+                         (route_triton, "_sort_pairs_kernel")):
         recorders[name] = Recorder(getattr(module, name))
         monkeypatch.setattr(module, name, recorders[name])
     return recorders
@@ -187,4 +194,15 @@ def test_every_kernel_of_the_package_is_compiled_here():
                 found.add(node.name)
     assert found == {"_quantize_rows_kernel", "_fp8_splitk_kernel", "_grouped_gemm_kernel",
                      "_splitk_sum_kernel",
-                     "_write_kv_kernel", "_add_rms_norm_kernel", "_rope_norm_kernel"}
+                     "_write_kv_kernel", "_add_rms_norm_kernel", "_rope_norm_kernel",
+                     "_sort_pairs_kernel"}
+
+
+def test_route_kernel(recorded):
+    """Top-1 ids and bf16 scores of 1 and 16 tokens (Scout's 16 experts), with and without
+    the shared expert's group, and Maverick's 128 with it (a 256-wide group block)."""
+    for tokens, experts, shared in ((1, 16, True), (16, 16, True), (64, 16, False),
+                                    (8, 128, True)):
+        route_triton.sort_pairs(torch.zeros(tokens, 1, dtype=torch.int64),
+                                torch.zeros(tokens, 1, dtype=BF16), experts, shared)
+    compile_all(recorded["_sort_pairs_kernel"], 4)
