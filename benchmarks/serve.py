@@ -8,7 +8,11 @@ how many tokens it carries) until the request count (``--requests``) or the time
 with ``--random-range-ratio`` r (default 0) each request draws its prompt length and its
 own ``max_tokens`` uniformly from the integers of [floor(L * (1 - r)), ceil(L * (1 + r))]
 around ``--prompt-tokens`` and ``--max-tokens`` (max_tokens at least 1; r in [0, 1)); r = 0
-sends every request with exactly those two lengths.  For each level of
+sends every request with exactly those two lengths.  Arrivals as ``vllm bench serve``'s
+too: ``--request-rate`` R (default inf: every client sends again as soon as its request
+ends) spaces the requests' arrivals by gamma gaps of shape ``--burstiness`` (1: Poisson) and
+mean 1 / R, and ``--clients`` caps how many are in flight (vLLM's ``--max-concurrency``);
+fixed lengths at an infinite rate keep the clients in step, in waves.  For each level of
 ``--clients`` it reports requests/s, output tokens/s, time to first token (TTFT: request
 sent -> first chunk with a token) and inter-token latency (ITL: gap between chunks, divided
 by the tokens the later chunk carries) at p50 and p99.
@@ -197,10 +201,28 @@ async def report_progress(progress: dict, start: float, every: float, print_=pri
         last_t, last_tokens = now, tokens
 
 
+def arrival_times(count: int, rate: float, burstiness: float, seed: str) -> list[float]:
+    """Seconds after a level's start before which request i is not sent, as vLLM's
+    benchmark draws them (``--request-rate``, ``--burstiness``): the first at 0, then gaps
+    from a gamma distribution of shape ``burstiness`` and mean ``1 / rate`` (Poisson
+    arrivals at burstiness 1; below 1 burstier, above steadier); all 0 at an infinite
+    rate.  ``seed``: the same times for the same seed and level."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng, theta, at, times = random.Random(seed), 1.0 / (rate * burstiness), 0.0, []
+    for i in range(count):
+        if i:
+            at += rng.gammavariate(burstiness, theta)
+        times.append(at)
+    return times
+
+
 async def run_level(url, model, headers, prompts, clients, max_tokens, duration, timeout,
-                    progress_every: float = 0.0):
+                    progress_every: float = 0.0, send_at: list[float] | None = None):
     """Prompt i asks for ``max_tokens[i]`` tokens. ``progress_every`` > 0: a progress line
-    that often (:func:`report_progress`)."""
+    that often (:func:`report_progress`).  ``send_at``: request i waits for its arrival
+    time (:func:`arrival_times`) and then for a free client of the ``clients`` (vLLM's
+    ``--max-concurrency``); its TTFT counts from when it is sent."""
     bodies = [{"model": model, "prompt": p, "max_tokens": m, "temperature": 0.0,
                "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -214,6 +236,10 @@ async def run_level(url, model, headers, prompts, clients, max_tokens, duration,
         conn = Connection(url, headers)  # one keep-alive connection per client
         try:
             for i in next_index:
+                if send_at is not None:
+                    if send_at[i] > duration:  # arrives after the level's end: not sent
+                        return
+                    await asyncio.sleep(max(0.0, start + send_at[i] - time.perf_counter()))
                 if time.perf_counter() - start > duration:
                     return
                 try:
@@ -442,6 +468,14 @@ def main(argv=None) -> int:
                    "--prompt-tokens and --max-tokens; r in [0, 1), 0: those lengths exactly. "
                    "The longest request (both upper ends) must fit the server's "
                    "--max-model-len, or the server refuses it and it counts as failed")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="as vLLM's: requests per second arriving at each level (Poisson at "
+                   "--burstiness 1), each then waiting for one of --clients (vLLM's "
+                   "--max-concurrency); inf (the default): all at once, the clients as busy "
+                   "as they can be")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="as vLLM's: the shape of the gamma distribution of the gaps between "
+                   "arrivals (1: Poisson; below 1 burstier, above steadier)")
     p.add_argument("--max-token-id", type=int, default=255,
                    help="prompt ids are drawn from [0, this] (any vocabulary has them)")
     p.add_argument("--verify", type=int, default=4,
@@ -487,6 +521,11 @@ def main(argv=None) -> int:
     if args.smoke:
         # prompts of 2 cacheable blocks (16 tokens each): a prefix-cache hit would show
         args.clients, args.requests, args.prompt_tokens, args.max_tokens = [1, 4], 8, 40, 8
+    if not args.request_rate > 0:
+        p.error(f"--request-rate {args.request_rate}: must be > 0 requests per second (inf: "
+                "all at once)")
+    if not 0 < args.burstiness < math.inf:
+        p.error(f"--burstiness {args.burstiness}: must be a finite number > 0 (1: Poisson)")
     if not 0.0 <= args.random_range_ratio < 1.0:
         p.error(f"--random-range-ratio {args.random_range_ratio}: must be in [0, 1) (vLLM's)")
     if length_range(args.prompt_tokens, args.random_range_ratio)[0] < 1:
@@ -556,9 +595,11 @@ def _run(args, headers, proc) -> int:
     for clients in args.clients:
         prompts, max_tokens = prompt_set(args, f"server {clients}", n)
         before = proc_cpu.sample(proc.pid) if proc is not None else {}
+        send_at = arrival_times(n, args.request_rate, args.burstiness,
+                                f"{args.seed}/server {clients}")
         records, wall = asyncio.run(run_level(args.url, model, headers, prompts, clients,
                                               max_tokens, args.duration, args.timeout,
-                                              args.progress))
+                                              args.progress, send_at))
         rows.append(summarize(clients, records, wall, max_tokens))
         if before:  # which thread of the server or the engine process was saturated
             cpu[clients] = proc_cpu.usage(before, proc_cpu.sample(proc.pid), wall, proc.pid)

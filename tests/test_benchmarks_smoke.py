@@ -1029,6 +1029,60 @@ def _serve_args(monkeypatch, *flags):
     return seen["args"]
 
 
+def test_serve_request_rate_draws_vllm_s_arrivals_and_each_waits_for_its_own(
+        monkeypatch, capsys):
+    """--request-rate / --burstiness as vLLM's benchmark (get_request): the first request at
+    0, then gamma gaps of shape burstiness and mean 1 / rate; inf sends all at once.  A
+    request is not sent before its arrival time, nor at all when that is past --duration;
+    bad values are refused naming the flag."""
+    import asyncio
+    import math
+    import statistics
+    import time
+
+    from benchmarks import serve
+
+    assert serve.arrival_times(5, math.inf, 1.0, "0/x") == [0.0] * 5
+    times = serve.arrival_times(4001, 50.0, 1.0, "0/server 8")
+    gaps = list(np.diff(times))
+    assert times[0] == 0.0 and all(g > 0 for g in gaps)
+    assert abs(statistics.mean(gaps) - 1 / 50) < 0.1 / 50  # mean 1 / rate
+    cv2 = statistics.pvariance(gaps) / statistics.mean(gaps) ** 2
+    assert 0.9 < cv2 < 1.1  # exponential gaps: Poisson arrivals
+    steady = serve.arrival_times(4001, 50.0, 4.0, "0/server 8")
+    steady_gaps = list(np.diff(steady))
+    assert 0.2 < statistics.pvariance(steady_gaps) / statistics.mean(steady_gaps) ** 2 < 0.3
+    assert serve.arrival_times(50, 50.0, 1.0, "0/server 8") == times[:50] != \
+        serve.arrival_times(50, 50.0, 1.0, "1/server 8")  # the seed and level decide
+    assert serve.arrival_times(50, 5.0, 1.0, "0/server 8") == pytest.approx(
+        [10 * t for t in times[:50]])  # a tenth of the rate: ten times the gaps
+    args = _serve_args(monkeypatch)
+    assert math.isinf(args.request_rate) and args.burstiness == 1.0
+    for flag, bad in (("--request-rate", "0"), ("--request-rate", "nan"),
+                      ("--burstiness", "0"), ("--burstiness", "inf")):
+        with pytest.raises(SystemExit):
+            _serve_args(monkeypatch, flag, bad)
+        assert f"{flag} {float(bad)}" in capsys.readouterr().err
+
+    sent = {}
+
+    async def one(conn, body, progress=None):
+        sent[body["prompt"][0]] = time.perf_counter()
+        return {"error": None}
+
+    monkeypatch.setattr(serve, "_one", one)
+    send_at = [0.0, 0.15, 0.3, 5.0]  # the last arrives after --duration 1
+    start = time.perf_counter()
+    records, wall = asyncio.run(serve.run_level("http://127.0.0.1:9", "m", {}, [[i] for i in
+                                                                              range(4)],
+                                             4, [1] * 4, 1.0, 10.0, send_at=send_at))
+    assert sorted(sent) == [0, 1, 2] and len(records) == 3
+    assert wall < 1.0  # the late one was dropped, not waited for
+    for i in range(3):
+        assert sent[i] - start >= send_at[i] - 0.01, (i, sent[i] - start)
+    assert sent[2] - start < 0.3 + 0.25  # and soon after: it did not wait for a client
+
+
 def test_serve_random_range_ratio_draws_vllm_s_lengths(monkeypatch, capsys):
     """benchmarks/serve.py --random-range-ratio as vLLM's random dataset
     (RandomDataset.get_sampling_params): r 0 (the default) sends exactly --prompt-tokens and
