@@ -136,19 +136,16 @@ class Baseline:
         settle(memory)
         return cls(memory.total(), memory.free(), memory.allocated(), memory.reserved())
 
-    def outside_torch(self, memory: DeviceMemory) -> int:
-        """Bytes outside torch's allocator that grew since the baseline (never < 0)."""
+    def growth(self, memory: DeviceMemory) -> tuple[int, int]:
+        """``(outside_torch, cached)`` grown since the baseline (each never < 0), from one
+        settled reading: bytes outside torch's allocator, and bytes torch's cache holds
+        unallocated after ``empty_cache`` (free pieces of segments partly in use, which
+        only freeing the rest of the segment returns)."""
         settle(memory)
-        now = memory.total() - memory.free() - memory.reserved()
-        return max(0, now - (self.total - self.free - self.reserved))
-
-    def cached(self, memory: DeviceMemory) -> int:
-        """Bytes torch's cache holds unallocated after ``empty_cache`` beyond the baseline's
-        (never < 0): free pieces of segments partly in use, which only freeing the rest of
-        the segment returns."""
-        settle(memory)
-        return max(0, memory.reserved() - memory.allocated()
-                   - (self.reserved - self.allocated))
+        reserved, allocated = memory.reserved(), memory.allocated()
+        outside = memory.total() - memory.free() - reserved
+        return (max(0, outside - (self.total - self.free - self.reserved)),
+                max(0, reserved - allocated - (self.reserved - self.allocated)))
 
 
 @dataclass(frozen=True)
@@ -162,16 +159,16 @@ class MemoryBudget:
     graphs: int = 0       # estimate of the CUDA graphs' pool
     outside_torch: int = 0
     headroom: int = 0     # PROFILE_HEADROOM x total once profiled
-    cached: int = 0       # torch's cache, unallocated and not returnable (Baseline.cached)
+    cached: int = 0       # torch's cache, unallocated and not returnable (Baseline.growth)
 
     @classmethod
     def profiled(cls, utilization: float, baseline: Baseline, memory: DeviceMemory,
                  weights: int, activations: int, graphs: int) -> MemoryBudget:
         """Once the weights loaded and the largest step ran: with what grew outside torch
         since the baseline, and PROFILE_HEADROOM of the device kept free."""
-        return cls(utilization, baseline.total, weights, activations, graphs,
-                   baseline.outside_torch(memory), int(PROFILE_HEADROOM * baseline.total),
-                   baseline.cached(memory))
+        outside_torch, cached = baseline.growth(memory)
+        return cls(utilization, baseline.total, weights, activations, graphs, outside_torch,
+                   int(PROFILE_HEADROOM * baseline.total), cached)
 
     @property
     def requested(self) -> int:
