@@ -1,6 +1,7 @@
 """models/route_triton.py: the MoE block's pair bookkeeping in one launch, in Triton's
-interpreter on the CPU, against torch's path (moe.sort_by_expert and the cats, division and
-gather around it), value for value; and the MoE block with it on against it off."""
+interpreter on the CPU, against torch's path (moe.sort_pairs_torch: moe.sort_by_expert and
+the cats, division and gather around it), value for value; and the MoE block with it on
+against it off."""
 
 from __future__ import annotations
 
@@ -17,17 +18,6 @@ SCRIPT = textwrap.dedent("""
     import torch
     from chunklocal.models import moe, route_triton
     from chunklocal.models.route_triton import MAX_PAIRS, route_available, sort_pairs
-
-    def torch_path(expert, score, num_groups, shared):
-        tokens = expert.shape[0]
-        if shared:
-            expert = torch.cat([expert, expert.new_full((tokens, 1), num_groups)], dim=1)
-            score = torch.cat([score, score.new_ones(tokens, 1)], dim=1)
-            num_groups += 1
-        slots = expert.shape[1]
-        order, offs = moe.sort_by_expert(expert, num_groups)
-        token = order // slots if slots > 1 else order
-        return order, offs, token, score.reshape(-1)[order]
 
     gen = torch.Generator().manual_seed(0)
     cases = 0
@@ -49,7 +39,8 @@ SCRIPT = textwrap.dedent("""
                             score = torch.sigmoid(top).to(dtype)
                             assert route_available(score, tokens * (k + shared))
                             got = sort_pairs(expert, score, num_experts, shared)
-                            want = torch_path(expert, score, num_experts, shared)
+                            want = moe.sort_pairs_torch(expert, score, num_experts,
+                                                        shared)
                             for name, g, w in zip(("order", "offs", "token", "score"), got,
                                                   want):
                                 assert g.dtype == w.dtype and torch.equal(g, w), (

@@ -171,9 +171,9 @@ def test_stacking_the_shared_expert_gives_the_old_stacks_back_whole():
 @pytest.mark.parametrize("tokens", [1, 2, 16, 32, 64])
 @torch.no_grad()
 def test_sort_pairs_equals_torchs_path_on_the_gpu(tokens, shared):
-    """models/route_triton.py's one-launch bookkeeping against moe.sort_by_expert and the
-    ops around it, bf16 scores, eagerly and replayed from a CUDA graph (its switch is off by
-    default: this is the check an A/B needs first)."""
+    """models/route_triton.py's one-launch bookkeeping against torch's
+    (moe.sort_pairs_torch), bf16 scores, eagerly and replayed from a CUDA graph (its switch
+    is off by default: this is the check an A/B needs first)."""
     pytest.importorskip("triton")
     from chunklocal.models.route_triton import MAX_PAIRS, sort_pairs
 
@@ -184,14 +184,7 @@ def test_sort_pairs_equals_torchs_path_on_the_gpu(tokens, shared):
     logits[: tokens // 2, 3] += 4  # half the tokens on one expert: the sort's stability
     top, expert = torch.topk(logits, 1, dim=1)
     score = torch.sigmoid(top.float()).to(BF16)
-    e, sc, groups = expert, score, 16
-    if shared:
-        e = torch.cat([e, e.new_full((tokens, 1), 16)], dim=1)
-        sc = torch.cat([sc, sc.new_ones(tokens, 1)], dim=1)
-        groups += 1
-    order, offs = moe_module.sort_by_expert(e, groups)
-    want = (order, offs, order // e.shape[1] if e.shape[1] > 1 else order,
-            sc.reshape(-1)[order])
+    want = moe_module.sort_pairs_torch(expert, score, 16, shared)
     got = sort_pairs(expert, score, 16, shared)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
