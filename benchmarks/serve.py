@@ -516,8 +516,6 @@ def main(argv=None) -> int:
                    "time, the KV pool summary, errors)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from benchmarks.decode_floor import MODELS, write_config
-
     if args.smoke:
         # prompts of 2 cacheable blocks (16 tokens each): a prefix-cache hit would show
         args.clients, args.requests, args.prompt_tokens, args.max_tokens = [1, 4], 8, 40, 8
@@ -535,17 +533,21 @@ def main(argv=None) -> int:
         p.error(f"--verify {args.verify} compares texts of two runs of a prompt, which "
                 f"--routing {args.routing} routes differently (each call moves the experts): "
                 "give --verify 0")
-    if args.make_dummy is not None and args.make_dummy[0] not in MODELS:
-        p.error(f"--make-dummy {args.make_dummy[0]}: not one of {', '.join(sorted(MODELS))}")
+    # --make-scout-fp8 DIR is --make-dummy scout-fp8 DIR (kept for the runbook's commands)
+    dummies = [("scout-fp8", args.make_scout_fp8)] if args.make_scout_fp8 is not None else []
+    dummies += [tuple(args.make_dummy)] if args.make_dummy is not None else []
+    if dummies:  # decode_floor imports torch: only when a geometry is written
+        from benchmarks.decode_floor import MODELS, write_config
+
+        unknown = [model for model, _ in dummies if model not in MODELS]
+        if unknown:
+            p.error(f"--make-dummy {unknown[0]}: not one of {', '.join(sorted(MODELS))}")
     if args.make_tiny is not None:
         make_tiny(args.make_tiny)
     if args.make_scout is not None:
         from benchmarks.engine import SCOUT, write_random_checkpoint
 
         write_random_checkpoint(args.make_scout, SCOUT, args.scout_max_len, "cuda")
-    # --make-scout-fp8 DIR is --make-dummy scout-fp8 DIR (kept for the runbook's commands)
-    dummies = [("scout-fp8", args.make_scout_fp8)] if args.make_scout_fp8 is not None else []
-    dummies += [tuple(args.make_dummy)] if args.make_dummy is not None else []
     for model, path in dummies:
         write_config(Path(path), model)
     use_routing(ROUTING[args.routing])
