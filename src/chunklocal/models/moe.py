@@ -161,21 +161,14 @@ def sort_by_expert(expert: torch.Tensor, num_groups: int):
     return order, offs
 
 
-def sort_pairs_torch(expert: torch.Tensor, score: torch.Tensor, num_groups: int,
-                     shared: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                            torch.Tensor]:
-    """``(order, offs, token, pair_score)`` of the pairs through torch's ops: with
-    ``shared`` a column of group ``num_groups`` (score 1) appended to ``expert [T, k]`` and
-    ``score [T, k]``, then :func:`sort_by_expert`, each sorted row's token and its score.
-    ``route_triton.sort_pairs`` makes the same values in one launch."""
-    if shared:  # the shared expert as group E: every token, score 1
-        tokens = expert.shape[0]
-        expert = torch.cat([expert, expert.new_full((tokens, 1), num_groups)], dim=1)
-        score = torch.cat([score, score.new_ones(tokens, 1)], dim=1)
-        num_groups += 1
-    slots = expert.shape[1]
-    order, offs = sort_by_expert(expert, num_groups)
-    token = order // slots if slots > 1 else order
+def sort_pairs_torch(expert, score, num_groups: int, shared: bool) -> tuple:
+    """route_triton.sort_pairs's ``(order, offs, token, pair_score)`` through torch's ops;
+    ``shared``: the shared expert as group ``num_groups``, every token, score 1."""
+    if shared:
+        expert = torch.cat([expert, expert.new_full((expert.shape[0], 1), num_groups)], 1)
+        score = torch.cat([score, score.new_ones(score.shape[0], 1)], dim=1)
+    order, offs = sort_by_expert(expert, num_groups + int(shared))
+    token = order // expert.shape[1] if expert.shape[1] > 1 else order
     return order, offs, token, score.reshape(-1)[order]  # Llama-4 scales the input
 
 
@@ -447,7 +440,6 @@ class MoE(nn.Module):
             expert = expert.masked_fill(elsewhere, num_groups)
         fused = self.stacked and tokens <= self.fuse_max_tokens
         slots = expert.shape[1] + int(fused)
-        # decode sizes: one launch where it is on, the same values
         bookkeeping = sort_pairs if elsewhere is None and route_available(
             score, tokens * slots) else sort_pairs_torch
         order, offs, token, pair_score = bookkeeping(expert, score, num_groups, fused)
