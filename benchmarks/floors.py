@@ -57,33 +57,38 @@ def param_counts(model) -> tuple[int, int]:
 
 
 class RoutingCounter:
-    """Distinct experts chosen per MoE call while active (wraps ``models.moe.route``;
-    it syncs, so only for untimed eager steps)."""
+    """Distinct experts chosen per MoE call while active (wraps ``models.routing.route``
+    and turns route_triton's fused routing off, which would not call it; it syncs, so
+    only for untimed eager steps)."""
 
     def __init__(self):
         self.distinct: list[int] = []
 
     def __enter__(self):
-        from chunklocal.models import moe
+        from chunklocal.models import route_triton, routing
 
-        self._module, self._route = moe, moe.route
+        self._module, self._route = routing, routing.route
+        self._fused, route_triton.FUSED_ENABLED = route_triton.FUSED_ENABLED, False
 
         def counting(x, router, top_k):
             expert, score = self._route(x, router, top_k)
             self.distinct.append(int(expert.unique().numel()))
             return expert, score
 
-        moe.route = counting
+        routing.route = counting
         return self
 
     def __exit__(self, *exc):
+        from chunklocal.models import route_triton
+
         self._module.route = self._route
+        route_triton.FUSED_ENABLED = self._fused
 
 
 class BalancedRouting:
     """Spread routing for benchmarks on dummy weights (issue 19: a random model's tokens
     collapse onto a few experts per layer, where a trained router spreads them): while
-    active, ``models.moe.ROUTING_SIMULATION`` is "balanced" -- token ``t`` of the ``i``-th
+    active, ``models.routing.ROUTING_SIMULATION`` is "balanced" -- token ``t`` of the ``i``-th
     MoE call goes to experts ``(t * top_k + j + i) mod E``, so a step of ``T`` tokens
     touches ``min(E, T * top_k)`` experts of every layer, scored with the router's own
     logits for those experts (the router GEMM still runs).  Device-side and shape-static:
@@ -93,10 +98,10 @@ class BalancedRouting:
     ``--routing``)."""
 
     def __enter__(self):
-        from chunklocal.models import moe
+        from chunklocal.models import routing
 
-        self._module, self._saved = moe, moe.ROUTING_SIMULATION
-        moe.ROUTING_SIMULATION = "balanced"
+        self._module, self._saved = routing, routing.ROUTING_SIMULATION
+        routing.ROUTING_SIMULATION = "balanced"
         return self
 
     def __exit__(self, *exc):

@@ -76,11 +76,11 @@ ROUTING = {"model": "", "balanced": "balanced", "uniform_random": "uniform_rando
 
 def use_routing(strategy: str) -> None:
     """The routing strategy for the server this script launches (its environment) and for
-    the offline floor's engine in this process (set again where moe is already loaded)."""
+    the offline floor's engine in this process (set again where routing is already loaded)."""
     os.environ["CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY"] = strategy
-    moe = sys.modules.get("chunklocal.models.moe")
-    if moe is not None:
-        moe.ROUTING_SIMULATION = strategy
+    routing = sys.modules.get("chunklocal.models.routing")
+    if routing is not None:
+        routing.ROUTING_SIMULATION = strategy
 
 
 def free_port() -> int:

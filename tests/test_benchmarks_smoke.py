@@ -336,7 +336,7 @@ def test_balanced_routing_spreads_every_call_and_restores_the_models_routing():
     """floors.BalancedRouting: token t of the i-th call to experts (t * top_k + j + i) mod E,
     scored by the router's own logits there; the model's routing is back on exit."""
     from benchmarks.floors import BalancedRouting, routing
-    from chunklocal.models import moe
+    from chunklocal.models import routing as moe
 
     router = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
@@ -983,7 +983,7 @@ def test_serve_routing_sets_the_servers_strategy_and_refuses_verify(tmp_path, mo
     import os
 
     from benchmarks import serve
-    from chunklocal.models import moe
+    from chunklocal.models import routing as moe
 
     with pytest.raises(SystemExit):
         serve.main(["--routing", "balanced", "--url", "http://127.0.0.1:9"])

@@ -206,7 +206,7 @@ def test_fp8_shared_expert_as_a_group_of_the_experts(scout, tmp_path, monkeypatc
     beyond; the tokens stay the fake-quant oracle's.  With a threshold of 4, the prefill
     steps (up to 32 tokens) take the dense path and the decode steps (3 sequences) the
     group."""
-    from chunklocal.models import moe
+    from chunklocal.models import moe, routing
     from chunklocal.models.moe import MoE
 
     path, oracle = fp8_layout(scout, tmp_path, layout)
@@ -220,8 +220,8 @@ def test_fp8_shared_expert_as_a_group_of_the_experts(scout, tmp_path, monkeypatc
         assert ex.w13.shape[0] == ex.w2.shape[0] == ex.w13_scale.shape[0] == \
             ex.w2_scale.shape[0] == layer.num_experts + 1
     groups, dense = [], []
-    real_sort, real_shared = moe.sort_by_expert, MoE._shared
-    monkeypatch.setattr(moe, "sort_by_expert",
+    real_sort, real_shared = routing.sort_by_expert, MoE._shared
+    monkeypatch.setattr(routing, "sort_by_expert",
                         lambda e, n: groups.append(n) or real_sort(e, n))
     monkeypatch.setattr(MoE, "_shared", lambda self, x: dense.append(1) or real_shared(self, x))
     check_tokens(llm, oracle, PROMPTS, None)

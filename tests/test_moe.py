@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunklocal.models import moe as moe_module
-from chunklocal.models.moe import MoE, expert_mm, hf_expert_tensor, padded_mm, sort_by_expert
+from chunklocal.models.moe import MoE, expert_mm, hf_expert_tensor, padded_mm
+from chunklocal.models.routing import sort_by_expert
 
 HIDDEN, INNER = 16, 8
 
@@ -279,23 +280,25 @@ def test_routing_simulation_strategies(monkeypatch):
     """CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY: "uniform_random" draws every pair's
     expert in range and spreads a long step over all experts; "balanced" rotates by one
     expert per call; both score by the router's logits at the chosen experts; "" is top-k."""
+    from chunklocal.models import routing
+
     gen = torch.Generator().manual_seed(4)
     router, x = torch.randn(16, 8, generator=gen), torch.randn(512, 8, generator=gen)
     logits = x @ router.T
-    monkeypatch.setattr(moe_module, "ROUTING_SIMULATION", "uniform_random")
+    monkeypatch.setattr(routing, "ROUTING_SIMULATION", "uniform_random")
     torch.manual_seed(0)
-    expert, score = moe_module.route(x, router, 2)
+    expert, score = routing.route(x, router, 2)
     assert expert.shape == (512, 2) and expert.dtype == torch.int64
     assert int(expert.min()) >= 0 and int(expert.max()) < 16
     assert torch.unique(expert).numel() == 16  # 1,024 draws: every expert (1 - 1e-28)
     assert torch.equal(score, torch.sigmoid(logits.gather(1, expert)))
-    monkeypatch.setattr(moe_module, "ROUTING_SIMULATION", "balanced")
-    first, _ = moe_module.route(x[:3], router, 1)
-    second, _ = moe_module.route(x[:3], router, 1)
+    monkeypatch.setattr(routing, "ROUTING_SIMULATION", "balanced")
+    first, _ = routing.route(x[:3], router, 1)
+    second, _ = routing.route(x[:3], router, 1)
     assert torch.equal(second, (first + 1) % 16)
     assert torch.equal(first[:, 0], (torch.arange(3) + first[0, 0]) % 16)
-    monkeypatch.setattr(moe_module, "ROUTING_SIMULATION", "")
-    assert torch.equal(moe_module.route(x, router, 2)[0], torch.topk(logits, 2, dim=1).indices)
+    monkeypatch.setattr(routing, "ROUTING_SIMULATION", "")
+    assert torch.equal(routing.route(x, router, 2)[0], torch.topk(logits, 2, dim=1).indices)
 
 
 def test_routing_simulation_names_a_bad_value():

@@ -1,7 +1,8 @@
 """models/route_triton.py: the MoE block's pair bookkeeping in one launch, in Triton's
-interpreter on the CPU, against torch's path (moe.sort_pairs_torch: moe.sort_by_expert and
-the cats, division and gather around it), value for value; and the MoE block with it on
-against it off."""
+interpreter on the CPU, against torch's path (routing.sort_pairs_torch: routing.sort_by_expert
+and the cats, division and gather around it), value for value; the fused routing from the
+logits (route_pairs) against routing.route + torch's path; the combine against torch's
+scatter and sum; and the MoE block with each on against all off."""
 
 from __future__ import annotations
 
@@ -16,8 +17,21 @@ SCRIPT = textwrap.dedent("""
     import os
     os.environ["CHUNKLOCAL_MOE_ROUTE_TRITON"] = "1"
     import torch
-    from chunklocal.models import moe, route_triton
+    from chunklocal.models import moe, route_triton, routing
     from chunklocal.models.route_triton import MAX_PAIRS, route_available, sort_pairs
+
+    def pytest_raises(kind, text):
+        import contextlib
+
+        @contextlib.contextmanager
+        def check():
+            try:
+                yield
+            except kind as error:
+                assert text in str(error), error
+            else:
+                raise AssertionError(f"no {kind.__name__}")
+        return check()
 
     gen = torch.Generator().manual_seed(0)
     cases = 0
@@ -39,14 +53,76 @@ SCRIPT = textwrap.dedent("""
                             score = torch.sigmoid(top).to(dtype)
                             assert route_available(score, tokens * (k + shared))
                             got = sort_pairs(expert, score, num_experts, shared)
-                            want = moe.sort_pairs_torch(expert, score, num_experts,
-                                                        shared)
-                            for name, g, w in zip(("order", "offs", "token", "score"), got,
-                                                  want):
+                            want = routing.sort_pairs_torch(expert, score, num_experts,
+                                                            shared)
+                            for name, g, w in zip(("order", "offs", "token", "score"),
+                                                  got[:4], want, strict=True):
                                 assert g.dtype == w.dtype and torch.equal(g, w), (
                                     name, num_experts, k, shared, tokens, skew, g, w)
+                            order, rank = got[0], got[4]
+                            assert torch.equal(order[rank], torch.arange(order.numel()))
                             cases += 1
     print(cases, "cases")
+
+    # route_pairs: top-1 from the logits (or the balanced rotation) against routing.route
+    # and torch's sort; scores within two units in the last place of their dtype
+    fused = 0
+    for num_experts in (1, 4, 16, 128):
+        for shared in (False, True):
+            for tokens in (1, 2, 5, 16, 31, 32, 64):
+                if tokens * (1 + shared) > MAX_PAIRS:
+                    continue
+                for dtype in (torch.float32, torch.bfloat16):
+                    # distinct logits (a permutation): the top-1 has no tie to break
+                    logits = (torch.randperm(tokens * num_experts, generator=gen).float()
+                              .view(tokens, num_experts) / (tokens * num_experts) * 8 - 4)
+                    logits = logits.to(dtype)
+                    for offset in (None, 0, 3, 1000003):
+                        if offset is None:
+                            expert = torch.topk(logits, 1, dim=1).indices
+                        else:
+                            expert = (torch.arange(tokens).view(-1, 1) + offset) % num_experts
+                        score = torch.sigmoid(logits.gather(1, expert).float()).to(dtype)
+                        want = routing.sort_pairs_torch(expert, score, num_experts, shared)
+                        got = route_triton.route_pairs(logits, num_experts, shared, dtype,
+                                                       offset)
+                        for name, g, w in zip(("order", "offs", "token"), got[:3], want[:3],
+                                              strict=False):
+                            assert g.dtype == w.dtype and torch.equal(g, w), (
+                                name, num_experts, shared, tokens, offset, g, w)
+                        g, w = got[3], want[3]
+                        ulp = 2 * torch.finfo(dtype).eps * w.float().abs()
+                        assert g.dtype == dtype and bool(
+                            ((g.float() - w.float()).abs() <= ulp).all()), (g, w)
+                        assert torch.equal(got[0][got[4]], torch.arange(got[0].numel()))
+                        fused += 1
+    print(fused, "fused cases")
+    # ties: the lowest index wins, as torch.argmax picks
+    tied = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 3.0, 3.0, 3.0]])
+    got = route_triton.route_pairs(tied, 4, False, torch.float32)
+    assert got[0].tolist() == [1, 0] and got[1].tolist() == [1, 2, 2, 2], got
+    assert torch.equal(torch.argmax(tied, 1), torch.tensor([1, 0]))
+    with pytest_raises(ValueError, "route_pairs: logits of 4 experts for 5 groups"):
+        route_triton.route_pairs(tied, 5, False, torch.float32)
+
+    # combine_rows against the scatter back to pair order and the sum over the slots
+    # (float16, not bfloat16: the interpreter rounds float32 to bfloat16 toward zero, where
+    # the GPU rounds to nearest even; tests/gpu/test_moe_gpu.py checks bfloat16)
+    for slots in (1, 2, 3):
+        for tokens in (1, 7, 32):
+            for hidden in (8, 1000, 5120):
+                for dtype in (torch.float32, torch.float16):
+                    rows = torch.randn(tokens * slots, hidden, generator=gen).to(dtype)
+                    order = torch.randperm(tokens * slots, generator=gen)
+                    rank = torch.empty_like(order)
+                    rank[order] = torch.arange(order.numel())
+                    per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
+                    want = per_slot.view(tokens, slots, hidden).sum(1)
+                    got = route_triton.combine_rows(rows, rank, tokens, slots)
+                    if slots <= 2:  # one float32 add, one rounding: torch's bits
+                        assert torch.equal(got, want), (slots, tokens, hidden, dtype)
+                    else:
+                        torch.testing.assert_close(got, want)
 
     # the switch and the size bound
     route_triton.ROUTE_ENABLED = False
@@ -64,11 +140,27 @@ SCRIPT = textwrap.dedent("""
         assert layer.stack_shared()
         for tokens in (1, 5, 16, 40):  # 40: past the shared group (top-1 pairs only)
             x = torch.randn(tokens, 64)
-            route_triton.ROUTE_ENABLED = True
+            route_triton.ROUTE_ENABLED, route_triton.FUSED_ENABLED = True, False
             on = layer(x)
-            route_triton.ROUTE_ENABLED = False
+            route_triton.ROUTE_ENABLED, route_triton.FUSED_ENABLED = False, True
+            fused_on = layer(x)
+            route_triton.FUSED_ENABLED = False
             off = layer(x)
             assert torch.equal(on, off), (tokens, (on - off).abs().max())
+            # float32 scores: Triton's sigmoid may differ by an ulp, and the expert's input
+            # with it
+            torch.testing.assert_close(fused_on, off, rtol=1e-5, atol=1e-6)
+        # balanced simulation: the fused kernel's rotation is routing.route's
+        routing.ROUTING_SIMULATION = "balanced"
+        x = torch.randn(9, 64)
+        calls = routing._SIMULATED_CALLS[0]
+        route_triton.FUSED_ENABLED = True
+        fused_on = layer(x)
+        route_triton.FUSED_ENABLED = False
+        routing._SIMULATED_CALLS[0] = calls
+        off = layer(x)
+        torch.testing.assert_close(fused_on, off, rtol=1e-5, atol=1e-6)
+        routing.ROUTING_SIMULATION = ""
     print("ok")
 """)
 

@@ -172,7 +172,7 @@ def test_stacking_the_shared_expert_gives_the_old_stacks_back_whole():
 @torch.no_grad()
 def test_sort_pairs_equals_torchs_path_on_the_gpu(tokens, shared):
     """models/route_triton.py's one-launch bookkeeping against torch's
-    (moe.sort_pairs_torch), bf16 scores, eagerly and replayed from a CUDA graph (its switch
+    (routing.sort_pairs_torch), bf16 scores, eagerly and replayed from a CUDA graph (its switch
     is off by default: this is the check an A/B needs first)."""
     pytest.importorskip("triton")
     from chunklocal.models.route_triton import MAX_PAIRS, sort_pairs
@@ -184,14 +184,67 @@ def test_sort_pairs_equals_torchs_path_on_the_gpu(tokens, shared):
     logits[: tokens // 2, 3] += 4  # half the tokens on one expert: the sort's stability
     top, expert = torch.topk(logits, 1, dim=1)
     score = torch.sigmoid(top.float()).to(BF16)
-    want = moe_module.sort_pairs_torch(expert, score, 16, shared)
+    from chunklocal.models import routing
+
+    want = routing.sort_pairs_torch(expert, score, 16, shared)
     got = sort_pairs(expert, score, 16, shared)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = sort_pairs(expert, score, 16, shared)
     graph.replay()
     torch.cuda.synchronize()
-    for name, g, r, w in zip(("order", "offs", "token", "score"), got, replayed, want,
+    for name, g, r, w in zip(("order", "offs", "token", "score"), got[:4], replayed[:4], want,
                              strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w), (name, g, w)
         assert torch.equal(r, w), name
+    assert torch.equal(got[0][got[4]], torch.arange(got[0].numel(), device="cuda"))
+
+
+@pytest.mark.parametrize("balanced", [None, 5], ids=["top1", "balanced"])
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared-group"])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 32, 64])
+@torch.no_grad()
+def test_fused_routing_and_combine_on_the_gpu(tokens, shared, balanced):
+    """route_triton.route_pairs from bf16 logits against routing's torch path (experts,
+    order, offsets and tokens equal; scores within two bf16 ulps), and combine_rows against
+    the scatter and sum (bf16, equal), eagerly and replayed from a CUDA graph."""
+    pytest.importorskip("triton")
+    from chunklocal.models import route_triton, routing
+
+    if tokens * (1 + shared) > route_triton.MAX_PAIRS:
+        pytest.skip("past the kernel's pairs")
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    # each row a permutation of 16 logits a quarter apart: no tie for the top-1 to break
+    logits = torch.stack([torch.randperm(16, device="cuda", generator=gen)
+                          for _ in range(tokens)]).to(BF16) * 0.25 - 2
+    if balanced is None:
+        expert = torch.topk(logits, 1, dim=1).indices
+    else:
+        expert = (torch.arange(tokens, device="cuda").view(-1, 1) + balanced) % 16
+    score = torch.sigmoid(logits.gather(1, expert).float()).to(BF16)
+    want = routing.sort_pairs_torch(expert, score, 16, shared)
+    got = route_triton.route_pairs(logits, 16, shared, BF16, balanced)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = route_triton.route_pairs(logits, 16, shared, BF16, balanced)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, g, r, w in zip(("order", "offs", "token"), got[:3], replayed[:3], want[:3],
+                             strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w), (name, g, w)
+        assert torch.equal(r, w), name
+    ulps = (got[3].float() - want[3].float()).abs() / (torch.finfo(BF16).eps
+                                                       * want[3].float().abs())
+    assert float(ulps.max()) <= 2 and torch.equal(replayed[3], got[3]), ulps
+    slots = 1 + shared
+    rows = torch.randn(tokens * slots, 5120, device="cuda", generator=gen).to(BF16)
+    order, rank = got[0], got[4]
+    per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
+    expect = per_slot.view(tokens, slots, -1).sum(1)
+    summed = route_triton.combine_rows(rows, rank, tokens, slots)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        summed_replayed = route_triton.combine_rows(rows, rank, tokens, slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(summed, expect) and torch.equal(summed_replayed, expect)

@@ -1,8 +1,8 @@
 """Llama-4 mixture of experts: each token's top-k experts only, loop-free and capturable.
 
-Routing is transformers' ``Llama4Router``: logits ``x @ router.T``, top-k per token,
-score ``sigmoid(top logit)`` (float32, cast to the activation dtype), and the score
-scales the expert's *input* (``expert(score * x)``), not its output.  The shared
+Routing is transformers' ``Llama4Router`` (models/routing.py): logits ``x @ router.T``,
+top-k per token, score ``sigmoid(top logit)`` (float32, cast to the activation dtype), and
+the score scales the expert's *input* (``expert(score * x)``), not its output.  The shared
 expert runs on every token and is added to the routed experts' sum.
 
 One step, whatever its size: the ``tokens * top_k`` (token, expert) pairs are sorted by
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import chunklocal.models.routing as routing
 from chunklocal.models.fused import GatedMLPBase, gated_act, is_silu
 from chunklocal.models.parallel import SINGLE, ShardRule, TPGroup, column_parallel, row_parallel
 from chunklocal.models.quant import Fp8Linear, fp8_linear
@@ -41,7 +42,6 @@ from chunklocal.models.quant_triton import (
     quantize_rows,
     silu_mul_quantize,
 )
-from chunklocal.models.route_triton import route_available, sort_pairs
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -90,87 +90,6 @@ GATHER_QUANT = os.environ.get("CHUNKLOCAL_MOE_GATHER_QUANT", "1") == "1"
 #: FlashInfer's by a bf16 ulp.  On since the fifteenth session's H200 run (as GATHER_QUANT);
 #: off with ``CHUNKLOCAL_MOE_SILU_QUANT=0`` (tests/gpu/test_fp8_quant_gpu.py, test_fp8_gpu.py).
 SILU_QUANT = os.environ.get("CHUNKLOCAL_MOE_SILU_QUANT", "1") == "1"
-
-#: Simulated routing for runs on dummy weights, whose router sends most tokens of a layer to
-#: one or two experts where a trained router spreads them (issue 19), so a benchmark would
-#: read a fraction of the expert bytes real traffic reads.  vLLM's
-#: ``VLLM_MOE_ROUTING_SIMULATION_STRATEGY`` under our prefix
-#: (``CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY``), read at import, so an engine process
-#: started by ``chunklocal serve`` inherits it: "" routes by the weights; "uniform_random"
-#: draws each pair's expert uniformly (vLLM's strategy of that name); "balanced" sends pair
-#: ``j`` of token ``t`` in the ``i``-th MoE call of the process to expert ``(t * top_k + j +
-#: i) mod E``, so a step of ``T`` tokens touches ``min(E, T * top_k)`` experts of every
-#: layer (the floor benchmarks count).  Both score the chosen experts with the router's own
-#: logits (the router GEMM still runs) and stay on the device, so CUDA graphs capture them.
-ROUTING_SIMULATION_STRATEGIES = ("", "uniform_random", "balanced")
-ROUTING_SIMULATION = os.environ.get("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY", "")
-if ROUTING_SIMULATION not in ROUTING_SIMULATION_STRATEGIES:
-    raise ValueError("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY must be one of "
-                     f"{', '.join(map(repr, ROUTING_SIMULATION_STRATEGIES))}, got "
-                     f"{ROUTING_SIMULATION!r}")
-_SIMULATED_CALLS = [0]  # "balanced": MoE calls so far in this process (the rotation)
-
-
-def router_logits(x: torch.Tensor, router) -> torch.Tensor:
-    """[T, E]: ``router`` is its weight [E, H], or the router module (an FP8 checkpoint's
-    Fp8Linear)."""
-    return router(x) if isinstance(router, nn.Module) else F.linear(x, router)
-
-
-def route(x: torch.Tensor, router, top_k: int):
-    """(expert ids [T, top_k] int64, scores [T, top_k] in x.dtype), as Llama4Router; or
-    the :data:`ROUTING_SIMULATION` strategy's experts, scored by their logits."""
-    logits = router_logits(x, router)
-    if ROUTING_SIMULATION:
-        expert = simulated_experts(logits, top_k, ROUTING_SIMULATION)
-        return expert, torch.sigmoid(logits.gather(1, expert).float()).to(x.dtype)
-    top_logit, expert = torch.topk(logits, top_k, dim=1)
-    return expert, torch.sigmoid(top_logit.float()).to(x.dtype)
-
-
-def simulated_experts(logits: torch.Tensor, top_k: int, strategy: str) -> torch.Tensor:
-    """[T, top_k] int64 expert ids of a :data:`ROUTING_SIMULATION` strategy (made on the
-    device; the token count is the only shape)."""
-    tokens, num_experts = logits.shape
-    if strategy == "uniform_random":
-        return torch.randint(num_experts, (tokens, top_k), device=logits.device)
-    _SIMULATED_CALLS[0] += 1
-    pairs = torch.arange(tokens * top_k, device=logits.device).view(tokens, top_k)
-    return (pairs + _SIMULATED_CALLS[0]) % num_experts
-
-
-def sort_by_expert(expert: torch.Tensor, num_groups: int):
-    """Pairs in expert order.
-
-    ``expert``: [T, k] group id of each (token, slot) pair.  Returns ``order`` [T * k]
-    (int64: flat pair index of each sorted row; stable, so rows of one group keep token
-    order) and ``offs`` [num_groups] int32, the end row of each group (``offs[-1] ==
-    T * k``), as ``torch._grouped_mm`` takes them.  Device-side, no host sync.
-
-    Ids may be ``0 .. num_groups`` (``num_groups``: a pair another rank owns, sorted past
-    the end).  They are sorted as the narrowest integer that holds them: torch's CUDA radix
-    sort runs its digit passes over every bit of the key type, so int64 ids cost 8x the
-    passes of uint8 (the H200's decode step at batch 151 spent 1.29 ms in this sort, 48
-    launches, with int64 keys).
-    """
-    key = (torch.uint8 if num_groups <= torch.iinfo(torch.uint8).max
-           else torch.int16 if num_groups <= torch.iinfo(torch.int16).max else torch.int32)
-    sorted_expert, order = torch.sort(expert.reshape(-1).to(key), stable=True)
-    ids = torch.arange(num_groups, device=expert.device, dtype=key)
-    offs = torch.searchsorted(sorted_expert, ids, right=True, out_int32=True)
-    return order, offs
-
-
-def sort_pairs_torch(expert, score, num_groups: int, shared: bool) -> tuple:
-    """route_triton.sort_pairs's ``(order, offs, token, pair_score)`` through torch's ops;
-    ``shared``: the shared expert as group ``num_groups``, every token, score 1."""
-    if shared:
-        expert = torch.cat([expert, expert.new_full((expert.shape[0], 1), num_groups)], 1)
-        score = torch.cat([score, score.new_ones(score.shape[0], 1)], dim=1)
-    order, offs = sort_by_expert(expert, num_groups + int(shared))
-    token = order // expert.shape[1] if expert.shape[1] > 1 else order
-    return order, offs, token, score.reshape(-1)[order]  # Llama-4 scales the input
-
 
 def gather_quant_available(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The MoE layer's first expert GEMM takes its rows gathered, scaled and quantized by
@@ -431,18 +350,21 @@ class MoE(nn.Module):
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         tokens, hidden = x.shape
-        expert, score = route(x, self.router, self.top_k)
         ex, num_groups = self.experts, self.num_local
+        fused = self.stacked and tokens <= self.fuse_max_tokens
+        slots = self.top_k + int(fused)
         elsewhere = None
-        if num_groups != self.num_experts:  # "ep": other ranks' experts sort past the end
+        if num_groups == self.num_experts:
+            order, offs, token, pair_score, rank = routing.pairs(x, self.router, self.top_k,
+                                                                 num_groups, fused)
+        else:  # "ep": other ranks' experts sort past the end
+            expert, score = routing.route(x, self.router, self.top_k)
             expert = expert - self.first_expert
             elsewhere = (expert < 0) | (expert >= num_groups)
             expert = expert.masked_fill(elsewhere, num_groups)
-        fused = self.stacked and tokens <= self.fuse_max_tokens
-        slots = expert.shape[1] + int(fused)
-        bookkeeping = sort_pairs if elsewhere is None and route_available(
-            score, tokens * slots) else sort_pairs_torch
-        order, offs, token, pair_score = bookkeeping(expert, score, num_groups, fused)
+            order, offs, token, pair_score = routing.sort_pairs_torch(expert, score,
+                                                                      num_groups, fused)
+            rank = None
         num_groups += int(fused)
         # Each intermediate is dropped as soon as the next exists (``del``), and the gate's
         # activation and the product are one tensor (gated_act): the memory profile reserves
@@ -472,11 +394,13 @@ class MoE(nn.Module):
         del gate_up
         rows = expert_mm(inner, w2, offs, s2, small, ub, split)
         del inner
-        per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
-        del rows
-        if elsewhere is not None:  # rows past the last group are unspecified: drop them
+        if elsewhere is None:
+            routed = routing.combine(rows, order, rank, tokens, slots)
+        else:  # rows past the last group are unspecified: dropped before the sum
+            per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
             per_slot = per_slot.masked_fill(elsewhere.reshape(-1, 1), 0)
-        routed = per_slot.view(tokens, slots, hidden).sum(1) if slots > 1 else per_slot
+            routed = per_slot.view(tokens, slots, hidden).sum(1) if slots > 1 else per_slot
+        del rows
         out = routed if fused else self._shared(x) + routed
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 

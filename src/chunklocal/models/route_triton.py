@@ -19,6 +19,18 @@ interpreter; tests/gpu/test_moe_gpu.py on the GPU).
 Off by default (``CHUNKLOCAL_MOE_ROUTE_TRITON=1`` turns it on; ``benchmarks/switch_ab.py
 --switches route``): written without a GPU in the twentieth session, it is on only once an
 H200 A/B shows the step faster.
+
+:func:`route_pairs` goes one launch further back: from the router's logits of a top-1 layer
+(Scout and Maverick) it takes each token's expert (the largest logit, the lowest index on
+a tie) or the "balanced" simulation's, and its score (``sigmoid`` in float32, rounded to
+the activation dtype), then sorts as above; torch's top-k, sigmoid and cast (or the
+simulation's arange, add, remainder, gather, sigmoid and cast) are gone.  It also returns
+each pair's row, ``rank``, so :func:`combine_rows` adds each token's expert outputs in one
+launch where torch scattered them back to pair order and summed over the slots.  The
+sigmoid's exp is Triton's, so a score may differ from torch's by a unit or two in the
+last place of the activation dtype; the experts, the order and the sums are torch's exactly
+(tests/test_route_triton.py).  Off by default (``CHUNKLOCAL_MOE_ROUTE_FUSED=1``;
+``--switches route_fused``), written in the twenty-first session without a GPU.
 """
 
 from __future__ import annotations
@@ -38,6 +50,12 @@ ROUTE_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_TRITON", "0") == "1"
 #: comparison is P^2 lanes of one program (4,096 at 64: batch 64 at top-1, or 32 tokens with
 #: the shared group).  Longer steps keep torch's radix sort.
 MAX_PAIRS = 64
+#: :func:`route_pairs` and :func:`combine_rows`' switch (``CHUNKLOCAL_MOE_ROUTE_FUSED=1``).
+FUSED_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_FUSED", "0") == "1"
+#: Experts a top-1 layer may have for :func:`route_pairs`: its ``[P, E]`` tile of logits
+#: (Maverick's 128 at 64 pairs: 8,192 lanes of one program).
+MAX_EXPERTS = 128
+COMBINE_BLOCK = 1024  # hidden elements per combine program
 
 
 def route_available(score: torch.Tensor, pairs: int) -> bool:
@@ -45,8 +63,27 @@ def route_available(score: torch.Tensor, pairs: int) -> bool:
     return ROUTE_ENABLED and 0 < pairs <= MAX_PAIRS and available(score)
 
 
+def fused_available(x: torch.Tensor, pairs: int) -> bool:
+    """:func:`route_pairs` and :func:`combine_rows` run for ``pairs`` pairs of activations
+    ``x`` and are switched on (the caller checks top-1 and the experts' count)."""
+    return FUSED_ENABLED and 0 < pairs <= MAX_PAIRS and available(x)
+
+
+def combine_available(rows: torch.Tensor) -> bool:
+    """:func:`combine_rows` runs on ``rows`` and is switched on."""
+    return FUSED_ENABLED and available(rows) and rows.is_contiguous()
+
+
+def _outputs(pairs: int, groups: int, dtype: torch.dtype, dev: torch.device):
+    """``(order, offs, token, pair_score, rank)`` for the kernels to fill."""
+    def long():
+        return torch.empty(pairs, dtype=torch.int64, device=dev)
+    return (long(), torch.empty(groups, dtype=torch.int32, device=dev), long(),
+            torch.empty(pairs, dtype=dtype, device=dev), long())
+
+
 def sort_pairs(expert: torch.Tensor, score: torch.Tensor, num_groups: int, shared: bool
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, ...]:
     """``(order, offs, token, pair_score)`` of the ``T * slots`` pairs, as torch's path makes
     them: ``expert [T, k]`` ids in ``0 .. num_groups - 1`` and ``score [T, k]`` the router's;
     with ``shared`` each token gets one more slot, group ``num_groups`` with score 1, so
@@ -54,27 +91,60 @@ def sort_pairs(expert: torch.Tensor, score: torch.Tensor, num_groups: int, share
 
     ``order [P]`` int64: flat pair index ``t * slots + s`` of each row in (group, index)
     order; ``offs`` int32: end row of each group; ``token [P]`` int64: ``order // slots``;
-    ``pair_score [P]``: each row's score, ``score``'s dtype."""
+    ``pair_score [P]``: each row's score, ``score``'s dtype; ``rank [P]`` int64: the row of
+    pair ``p`` (``order[rank[p]] == p``)."""
     tokens, k = expert.shape
     slots = k + int(shared)
     pairs, groups = tokens * slots, num_groups + int(shared)
-    dev = expert.device
-    order = torch.empty(pairs, dtype=torch.int64, device=dev)
-    token = torch.empty(pairs, dtype=torch.int64, device=dev)
-    offs = torch.empty(groups, dtype=torch.int32, device=dev)
-    pair_score = torch.empty(pairs, dtype=score.dtype, device=dev)
+    out = _outputs(pairs, groups, score.dtype, expert.device)
     _sort_pairs_kernel[(1,)](
-        expert.contiguous(), score.contiguous(), order, offs, token, pair_score, pairs,
-        num_groups, groups, K=k, SLOTS=slots,
-        BLOCK_P=triton.next_power_of_2(pairs), BLOCK_G=triton.next_power_of_2(groups))
-    return order, offs, token, pair_score
+        expert.contiguous(), score.contiguous(), *out, pairs, num_groups, groups, K=k,
+        SLOTS=slots, BLOCK_P=triton.next_power_of_2(pairs),
+        BLOCK_G=triton.next_power_of_2(groups))
+    return out
+
+
+def route_pairs(logits: torch.Tensor, num_groups: int, shared: bool, dtype: torch.dtype,
+                balanced_offset: int | None = None) -> tuple[torch.Tensor, ...]:
+    """:func:`sort_pairs`'s five outputs for a top-1 layer, from the router's ``logits [T,
+    E]`` (``E == num_groups``): each token's expert is its largest logit (the lowest index
+    on a tie), or with ``balanced_offset`` the "balanced" simulation's ``(t +
+    balanced_offset) mod E``; its score ``sigmoid`` of that logit in float32, rounded to
+    ``dtype``.  ``shared``: the shared expert as group E, score 1."""
+    tokens, num_experts = logits.shape
+    if num_experts != num_groups or num_experts > MAX_EXPERTS:
+        raise ValueError(f"route_pairs: logits of {num_experts} experts for {num_groups} "
+                         f"groups (at most MAX_EXPERTS={MAX_EXPERTS})")
+    slots = 1 + int(shared)
+    pairs, groups = tokens * slots, num_groups + int(shared)
+    out = _outputs(pairs, groups, dtype, logits.device)
+    logits = logits.contiguous()
+    _route_pairs_kernel[(1,)](
+        logits, *out, pairs, num_experts, groups, balanced_offset or 0, SLOTS=slots,
+        BALANCED=balanced_offset is not None, BLOCK_P=triton.next_power_of_2(pairs),
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_G=triton.next_power_of_2(groups))
+    return out
+
+
+def combine_rows(rows: torch.Tensor, rank: torch.Tensor, tokens: int, slots: int
+                 ) -> torch.Tensor:
+    """``[tokens, H]``: row ``t`` the sum of ``rows[rank[t * slots + s]]`` over the slots,
+    in float32 in slot order, rounded once to ``rows``' dtype (torch's sum over the slots of
+    the rows scattered back to pair order)."""
+    hidden = rows.shape[1]
+    out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
+    if tokens:
+        block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
+        _combine_kernel[(tokens, triton.cdiv(hidden, block))](
+            rows, rank, out, hidden, rows.stride(0), out.stride(0), SLOTS=slots, BLOCK=block)
+    return out
 
 
 if triton is not None:
 
     @triton.jit
     def _sort_pairs_kernel(expert_ptr, score_ptr, order_ptr, offs_ptr, token_ptr,
-                           pair_score_ptr, P, SHARED_GROUP, G, K: tl.constexpr,
+                           pair_score_ptr, rank_ptr, P, SHARED_GROUP, G, K: tl.constexpr,
                            SLOTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr):
         p = tl.arange(0, BLOCK_P)
         valid = p < P
@@ -85,13 +155,59 @@ if triton is not None:
         gid = tl.where(s < K, gid, SHARED_GROUP)  # the shared slot
         gid = tl.where(valid, gid, 2147483647)     # past P: after every real group
         sc = tl.load(score_ptr + t * K + s, mask=routed, other=1.0)
+        _store_sorted(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
+                      rank_ptr, G, BLOCK_G)
+
+    @triton.jit
+    def _store_sorted(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
+                      rank_ptr, G, BLOCK_G: tl.constexpr):
         # rank = pairs before this one in (group, flat index) order: a stable sort
         before = (gid[None, :] < gid[:, None]) | ((gid[None, :] == gid[:, None])
                                                     & (p[None, :] < p[:, None]))
         rank = tl.sum(before.to(tl.int32), axis=1)
         tl.store(order_ptr + rank, p.to(tl.int64), mask=valid)
         tl.store(token_ptr + rank, t.to(tl.int64), mask=valid)
-        tl.store(pair_score_ptr + rank, sc, mask=valid)
+        tl.store(pair_score_ptr + rank, sc.to(pair_score_ptr.dtype.element_ty), mask=valid)
+        tl.store(rank_ptr + p, rank.to(tl.int64), mask=valid)
         g = tl.arange(0, BLOCK_G)
         ends = tl.sum((gid[None, :] <= g[:, None]).to(tl.int32), axis=1)
         tl.store(offs_ptr + g, ends, mask=g < G)
+
+    # the simulation's offset changes every call: no recompiles for its value
+    @triton.jit(do_not_specialize=["offset"])
+    def _route_pairs_kernel(logits_ptr, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
+                            rank_ptr, P, E, G, offset, SLOTS: tl.constexpr,
+                            BALANCED: tl.constexpr, BLOCK_P: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+        p = tl.arange(0, BLOCK_P)
+        valid = p < P
+        t = p // SLOTS
+        routed = valid & (p % SLOTS == 0)  # slot 0: the expert; slot 1: the shared one
+        e = tl.arange(0, BLOCK_E)
+        logit = tl.load(logits_ptr + t[:, None] * E + e[None, :],
+                        mask=routed[:, None] & (e[None, :] < E),
+                        other=float("-inf")).to(tl.float32)
+        if BALANCED:  # pair t * top_k + 0 of the call: expert (t + offset) mod E
+            gid = (t + offset) % E
+            top = tl.sum(tl.where(e[None, :] == gid[:, None], logit, 0.0), axis=1)
+        else:
+            top = tl.max(logit, axis=1)
+            gid = tl.min(tl.where(logit == top[:, None], e[None, :], BLOCK_E), axis=1)
+        sc = tl.where(routed, 1.0 / (1.0 + tl.exp(-top)), 1.0)
+        gid = tl.where(routed, gid, E)  # the shared slot is group E
+        gid = tl.where(valid, gid, 2147483647)  # past P: after every real group
+        _store_sorted(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
+                      rank_ptr, G, BLOCK_G)
+
+    @triton.jit
+    def _combine_kernel(rows_ptr, rank_ptr, out_ptr, H, stride_r, stride_o,
+                        SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = h < H
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SLOTS):
+            row = tl.load(rank_ptr + t * SLOTS + s)
+            total += tl.load(rows_ptr + row * stride_r + h, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t.to(tl.int64) * stride_o + h,
+                 total.to(out_ptr.dtype.element_ty), mask=ok)
