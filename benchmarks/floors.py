@@ -166,8 +166,9 @@ def prefill_flops(config, layer_kinds, prompt_len: int, dense_params: int,
 KERNEL_CLASSES = (
     # moe_triton's FP8 kernel runs the routed experts and (as one group) the dense layers
     ("FP8 GEMMs, Triton (experts and dense)", r"_fp8_splitk_kernel"),
-    # route_triton's pair bookkeeping (sort by expert, group ends) in one launch
-    ("MoE routing, Triton", r"_sort_pairs_kernel"),
+    # route_triton's pair bookkeeping (sort by expert, group ends) in one launch, from the
+    # router's logits with the fused routing, and its sum of each token's expert outputs
+    ("MoE routing, Triton", r"_sort_pairs|_route_pairs_kernel|_combine_kernel"),
     ("expert GEMMs", r"GroupProblemShap|_grouped_gemm_kernel|grouped_mm|moe"),
     ("dense GEMMs, FP8", r"nvjet\w*qq|_scaled_mm|f8f8|e4m3"),
     ("dense GEMMs, bf16", r"nvjet|gemm|Gemm|cutlass|sm90_xmma|cublas"),

@@ -314,6 +314,9 @@ TRITON_KERNEL_CLASSES = {
     "_rope_norm_kernel": "norms, reductions",  # rope + QK norm
     "_write_kv_kernel": "KV writes",  # the FP8 KV write, quantization included
     "_sort_pairs_kernel": "MoE routing, Triton",  # where sorts, cats and gathers were
+    "_sort_pairs_store": "MoE routing, Triton",  # its jit helper, inlined (no launch)
+    "_route_pairs_kernel": "MoE routing, Triton",  # top-k, sigmoid and the sort
+    "_combine_kernel": "MoE routing, Triton",  # where a scatter and a sum over slots were
 }
 
 

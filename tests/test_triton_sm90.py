@@ -90,7 +90,9 @@ def recorded(monkeypatch):
                          (kv_write_triton, "_write_kv_kernel"),
                          (norm_triton, "_add_rms_norm_kernel"),
                          (norm_triton, "_rope_norm_kernel"),
-                         (route_triton, "_sort_pairs_kernel")):
+                         (route_triton, "_sort_pairs_kernel"),
+                         (route_triton, "_route_pairs_kernel"),
+                         (route_triton, "_combine_kernel")):
         recorders[name] = Recorder(getattr(module, name))
         monkeypatch.setattr(module, name, recorders[name])
     return recorders
@@ -195,7 +197,7 @@ def test_every_kernel_of_the_package_is_compiled_here():
     assert found == {"_quantize_rows_kernel", "_fp8_splitk_kernel", "_grouped_gemm_kernel",
                      "_splitk_sum_kernel",
                      "_write_kv_kernel", "_add_rms_norm_kernel", "_rope_norm_kernel",
-                     "_sort_pairs_kernel"}
+                     "_sort_pairs_kernel", "_route_pairs_kernel", "_combine_kernel"}
 
 
 def test_route_kernel(recorded):
@@ -206,3 +208,17 @@ def test_route_kernel(recorded):
         route_triton.sort_pairs(torch.zeros(tokens, 1, dtype=torch.int64),
                                 torch.zeros(tokens, 1, dtype=BF16), experts, shared)
     compile_all(recorded["_sort_pairs_kernel"], 4)
+
+
+def test_fused_routing_kernels(recorded):
+    """route_pairs from bf16 logits (Scout's 16 experts with and without the shared group,
+    the balanced rotation, Maverick's 128) and combine_rows over Scout's hidden size."""
+    for tokens, experts, shared, offset in ((1, 16, True, None), (16, 16, True, 3),
+                                            (64, 16, False, None), (8, 128, True, 7)):
+        route_triton.route_pairs(torch.zeros(tokens, experts, dtype=BF16), experts, shared,
+                                 BF16, offset)
+    compile_all(recorded["_route_pairs_kernel"], 4)
+    for tokens, slots in ((1, 2), (64, 1)):
+        route_triton.combine_rows(torch.zeros(tokens * slots, 5120, dtype=BF16),
+                                  torch.zeros(tokens * slots, dtype=torch.int64), tokens, slots)
+    compile_all(recorded["_combine_kernel"], 2)

@@ -155,11 +155,11 @@ if triton is not None:
         gid = tl.where(s < K, gid, SHARED_GROUP)  # the shared slot
         gid = tl.where(valid, gid, 2147483647)     # past P: after every real group
         sc = tl.load(score_ptr + t * K + s, mask=routed, other=1.0)
-        _store_sorted(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
+        _sort_pairs_store(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
                       rank_ptr, G, BLOCK_G)
 
     @triton.jit
-    def _store_sorted(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
+    def _sort_pairs_store(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
                       rank_ptr, G, BLOCK_G: tl.constexpr):
         # rank = pairs before this one in (group, flat index) order: a stable sort
         before = (gid[None, :] < gid[:, None]) | ((gid[None, :] == gid[:, None])
@@ -196,7 +196,7 @@ if triton is not None:
         sc = tl.where(routed, 1.0 / (1.0 + tl.exp(-top)), 1.0)
         gid = tl.where(routed, gid, E)  # the shared slot is group E
         gid = tl.where(valid, gid, 2147483647)  # past P: after every real group
-        _store_sorted(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
+        _sort_pairs_store(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
                       rank_ptr, G, BLOCK_G)
 
     @triton.jit
