@@ -16,9 +16,11 @@ their ranks and each group's end row.  Only integers move and the scores are cop
 its outputs equal torch's path bit for bit (tests/test_route_triton.py, in Triton's
 interpreter; tests/gpu/test_moe_gpu.py on the GPU).
 
-Off by default (``CHUNKLOCAL_MOE_ROUTE_TRITON=1`` turns it on; ``benchmarks/switch_ab.py
---switches route``): written without a GPU in the twentieth session, it is on only once an
-H200 A/B shows the step faster.
+On by default (``CHUNKLOCAL_MOE_ROUTE_TRITON=0`` turns it off; ``benchmarks/switch_ab.py
+--switches route``): written without a GPU in the twentieth session; on an H100 in the
+twenty-first (12 of full-size Scout FP8's layers, spread routing, 3 alternated rounds) the
+graph replay took 0.92x at batch 1 and 0.978x at 16, outside the rounds' spread
+(BENCHMARKS.md, "Twenty-first session").
 
 :func:`route_pairs` goes one launch further back: from the router's logits of a top-1 layer
 (Scout and Maverick) it takes each token's expert (the largest logit, the lowest index on
@@ -29,8 +31,10 @@ each pair's row, ``rank``, so :func:`combine_rows` adds each token's expert outp
 launch where torch scattered them back to pair order and summed over the slots.  The
 sigmoid's exp is Triton's, so a score may differ from torch's by a unit or two in the
 last place of the activation dtype; the experts, the order and the sums are torch's exactly
-(tests/test_route_triton.py).  Off by default (``CHUNKLOCAL_MOE_ROUTE_FUSED=1``;
-``--switches route_fused``), written in the twenty-first session without a GPU.
+(tests/test_route_triton.py).  On by default (``CHUNKLOCAL_MOE_ROUTE_FUSED=0`` turns it
+off; ``--switches route_fused``): in the same H100 A/B the replay took 0.852x at batch 1
+and 0.952x at 16, outside the spread, and tests/gpu/test_fp8_gpu.py's engine tokens held
+with both kernels on.
 """
 
 from __future__ import annotations
@@ -44,14 +48,15 @@ from chunklocal.models.quant_triton import available, triton
 if triton is not None:
     import triton.language as tl
 
-#: The switch, read when a layer runs (``CHUNKLOCAL_MOE_ROUTE_TRITON=1`` turns it on).
-ROUTE_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_TRITON", "0") == "1"
+#: The switch, read when a layer runs (``CHUNKLOCAL_MOE_ROUTE_TRITON=0`` turns it off).
+ROUTE_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_TRITON", "1") == "1"
 #: Steps of at most this many (token, slot) pairs sort in the kernel: its ``[P, P]``
 #: comparison is P^2 lanes of one program (4,096 at 64: batch 64 at top-1, or 32 tokens with
 #: the shared group).  Longer steps keep torch's radix sort.
 MAX_PAIRS = 64
-#: :func:`route_pairs` and :func:`combine_rows`' switch (``CHUNKLOCAL_MOE_ROUTE_FUSED=1``).
-FUSED_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_FUSED", "0") == "1"
+#: :func:`route_pairs` and :func:`combine_rows`' switch (``CHUNKLOCAL_MOE_ROUTE_FUSED=0``
+#: turns it off), read when a layer runs.
+FUSED_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_FUSED", "1") == "1"
 #: Experts a top-1 layer may have for :func:`route_pairs`: its ``[P, E]`` tile of logits
 #: (Maverick's 128 at 64 pairs: 8,192 lanes of one program).
 MAX_EXPERTS = 128
