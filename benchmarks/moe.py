@@ -33,7 +33,8 @@ import torch
 from benchmarks import common
 from benchmarks.common import cuda_time_ms, format_table, guarded, write_json
 from chunklocal.models import moe_triton
-from chunklocal.models.moe import MoE, expert_mm, sort_by_expert
+from chunklocal.models.moe import MoE, expert_mm
+from chunklocal.models.routing import sort_by_expert
 
 GEOMETRIES = {  # hidden, inner, experts, top-k
     "scout": (5120, 8192, 16, 1),
