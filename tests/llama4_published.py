@@ -132,8 +132,12 @@ def hf_generate(model, prompt, max_new_tokens, eos=None):
     kwargs = {} if eos else {"min_new_tokens": max_new_tokens}
     ids = torch.tensor([prompt], device=model.device)
     # An explicit mask: without one, generate() takes every prompt token equal to the pad
-    # id (eos[0], or 0) for padding and hides it from attention.
-    out = model.generate(ids, attention_mask=torch.ones_like(ids),
+    # id (eos[0], or 0) for padding and hides it from attention.  No KV cache: every step is
+    # the model's full forward (its definition).  transformers 5.25's cached Llama-4 decode
+    # ("hybrid" cache) moved a token's logits by 0.03 at position 91 of a 32-token-chunk
+    # model, where its own full forward, and ours, agree to 1e-6 (the FP8 Scout tests
+    # failed on it on 2026-12-06, on code that had passed the day before).
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), use_cache=False,
                          max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     return out[0, len(prompt):].tolist()
 
