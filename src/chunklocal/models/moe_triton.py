@@ -141,7 +141,9 @@ if triton is not None:
             acc = acc * x_scale[:, None] * w_scale[None, :]
             out = part_ptr + split * stride_ps + rows[:, None].to(tl.int64) * stride_pm \
                 + cols[None, :]
-            tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+            # float32 partials, or with one slice the output itself (x's dtype)
+            tl.store(out, acc.to(part_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
         # the last of this tile's K-slices to finish adds them, in slice order; a tile
         # with no rows (an expert or slot no row reached) has nothing to add and takes no
         # ticket -- every program of the tile agrees, so its counter stays zero
@@ -279,7 +281,8 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
     :func:`routed_slots` with :data:`ROUTED_SLOTS_ENABLED` / ``routed_slots_in_kernel``; an
     expert with no rows reads no weights) writes float32 partial products, scaled, that
     one sum over the slices adds up (or the kernel's last program of each tile,
-    :data:`SPLITK_REDUCE_IN_KERNEL`; ``reduce_in_kernel`` overrides it).  Tiles of
+    :data:`SPLITK_REDUCE_IN_KERNEL`; ``reduce_in_kernel`` overrides it); a single slice
+    without the in-kernel sum stores the output itself, in x's dtype.  Tiles of
     ``FP8_BLOCK_M`` rows (mma.sync: float32 partial sums); ``split_k`` None:
     :func:`split_k_for`; ``block_n``, ``block_k``, ``num_warps`` and ``num_stages``: the
     tile and its pipeline, each None taken from :func:`tile_for` (benchmarks/fp8_small_m.py
@@ -310,8 +313,12 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
                               device_sm_count(xq.device))
     k_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k  # whole K blocks
     split_k = triton.cdiv(k_dim, k_split)
-    part = torch.empty(split_k, num_rows, n_dim, dtype=torch.float32, device=xq.device)
     reduce = SPLITK_REDUCE_IN_KERNEL if reduce_in_kernel is None else reduce_in_kernel
+    # One slice and no in-kernel sum: the kernel stores the output in x's dtype, where a
+    # float32 partial was stored and then cast by another launch (the same rounding)
+    direct = split_k == 1 and not reduce
+    part = torch.empty(split_k, num_rows, n_dim, dtype=dtype if direct else torch.float32,
+                       device=xq.device)
     compact = ROUTED_SLOTS_ENABLED if routed_slots_in_kernel is None else routed_slots_in_kernel
     slots = routed_slots(num_rows, num_experts) if compact else num_experts
     grid = (triton.cdiv(n_dim, block_n), split_k, slots)
@@ -326,10 +333,11 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
         num_warps=num_warps, num_stages=num_stages)
     if reduce:
         return out
+    if direct:
+        return part[0]
     if SPLITK_SUM_TRITON and split_k > 1:
         return splitk_sum(part, dtype)
-    out = part[0] if split_k == 1 else part.sum(0)
-    return out.to(dtype)
+    return part.sum(0).to(dtype)
 
 
 #: Whether :func:`fp8_grouped_mm_small` adds its K-slices' float32 partials and casts the
