@@ -99,6 +99,32 @@ ROPE_SCRIPT = textwrap.dedent("""
     assert calls == [1]
     torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-6)
     assert not norm_triton.rope_available(torch.zeros(2, 3, 12))  # D / 2 = 6: torch's ops
+
+    # q and k of the fused projection in one launch (llama4.rope_qk), the bits of two,
+    # at several tokens and at one (whose token stride reshape may give either view)
+    from chunklocal.models.llama4 import rope_qk
+    for rows in (qkv, qkv[:1]):
+        n = rows.shape[0]
+        qr = rows[:, :hq * d].reshape(n, hq, d)
+        kr = rows[:, hq * d:(hq + hk) * d].reshape(n, hk, d)
+        for e in (eps, None):
+            calls.clear()
+            got_q, got_k = rope_qk(qr, kr, freqs[:n], e)
+            assert calls == [1], calls  # one launch
+            assert torch.equal(got_q, real(qr, freqs[:n], e))
+            assert torch.equal(got_k, real(kr, freqs[:n], e))
+            assert got_q.is_contiguous() and got_k.is_contiguous()
+    calls.clear()  # k not right after q (v's heads): two launches
+    vr = qkv[:, (hq + hk) * d:].reshape(t, hk, d)
+    got_q, got_v = rope_qk(q, vr, freqs, eps)
+    assert calls == [1, 1] and torch.equal(got_v, real(vr, freqs, eps))
+    for bad in (0, hq + hk):
+        try:
+            real(torch.as_strided(q, (t, hq + hk, d), q.stride()), freqs, eps, split=bad)
+        except ValueError as err:
+            assert "split must be in 1.." in str(err)
+        else:
+            raise AssertionError(bad)
     print("ok")
 """)
 

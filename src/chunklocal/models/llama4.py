@@ -161,8 +161,7 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.use_rope:  # Llama-4's QK norm is on rope layers only
-            q = rope_heads(q, freqs_cis, self.qk_norm_eps)
-            k = rope_heads(k, freqs_cis, self.qk_norm_eps)
+            q, k = rope_qk(q, k, freqs_cis, self.qk_norm_eps)
         if self.temperature_tuning:
             q = (q * q_scale).to(q.dtype)
         return q, k, v
@@ -234,6 +233,23 @@ def rope_heads(x: torch.Tensor, freqs_cis: torch.Tensor, qk_norm_eps: float | No
         return norm_triton.rope_norm_rows(x, freqs_cis, qk_norm_eps)
     x = _rotate(x, freqs_cis)
     return x if qk_norm_eps is None else _rms(x, qk_norm_eps)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, freqs_cis: torch.Tensor,
+            qk_norm_eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_heads` of the queries and the keys; one Triton launch for both where ``k``'s
+    heads follow ``q``'s in memory (the fused ``qkv_proj``'s output), two otherwise."""
+    import chunklocal.models.norm_triton as norm_triton
+
+    t, hq, d = q.shape
+    # (one token: its stride is not compared, reshape may give either view another)
+    if (norm_triton.rope_available(q) and k.dim() == 3 and k.shape[0] == t
+            and k.shape[2] == d and k.stride()[1:] == q.stride()[1:]
+            and (t == 1 or k.stride(0) == q.stride(0)) and k.dtype == q.dtype
+            and k.data_ptr() == q.data_ptr() + hq * q.stride(1) * q.element_size()):
+        both = q.as_strided((t, hq + k.shape[1], d), q.stride())
+        return norm_triton.rope_norm_rows(both, freqs_cis, qk_norm_eps, split=hq)
+    return rope_heads(q, freqs_cis, qk_norm_eps), rope_heads(k, freqs_cis, qk_norm_eps)
 
 
 def fp8_moe(moe: MoE, fp8: Fp8Plan, prefix: str) -> MoE:

@@ -97,8 +97,9 @@ def add_rms_norm_rows(h: torch.Tensor, residual: torch.Tensor | None, weight: to
 
 if triton is not None:
     @triton.jit(do_not_specialize=["eps"])
-    def _rope_norm_kernel(x_ptr, f_ptr, out_ptr, eps, stride_xt, stride_xh, stride_ft,
-                          stride_ot, stride_oh, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    def _rope_norm_kernel(x_ptr, f_ptr, out_ptr, out2_ptr, eps, split, stride_xt, stride_xh,
+                          stride_ft, stride_ot, stride_oh, stride_o2t, stride_o2h,
+                          HALF: tl.constexpr, HAS_NORM: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         pair = tl.arange(0, HALF) * 2
@@ -116,7 +117,10 @@ if triton is not None:
             inv = tl.rsqrt(mean_sq + eps)
             re = re * inv
             im = im * inv
-        dst = out_ptr + t * stride_ot + h * stride_oh + pair
+        if h < split:  # heads [0, split) to out, the rest to out2 (q and k of one launch)
+            dst = out_ptr + t * stride_ot + h * stride_oh + pair
+        else:
+            dst = out2_ptr + t * stride_o2t + (h - split) * stride_o2h + pair
         tl.store(dst, re.to(x_re.dtype))
         tl.store(dst + 1, im.to(x_re.dtype))
 
@@ -129,21 +133,28 @@ def rope_available(x: torch.Tensor) -> bool:
             and half > 0 and half & (half - 1) == 0 and x.shape[-1] == 2 * half)
 
 
-def rope_norm_rows(x: torch.Tensor, freqs_cis: torch.Tensor, eps: float | None
-                   ) -> torch.Tensor:
+def rope_norm_rows(x: torch.Tensor, freqs_cis: torch.Tensor, eps: float | None,
+                   split: int | None = None):
     """Heads ``x [T, H, D]`` (any token and head strides, D contiguous) rotated by
     ``freqs_cis [T, D / 2]`` (complex64) as ``llama4._rotate``, then RMS-normalized without a
-    weight as ``llama4._rms`` when ``eps`` is given: a new contiguous ``[T, H, D]``."""
+    weight as ``llama4._rms`` when ``eps`` is given: a new contiguous ``[T, H, D]``; with
+    ``split`` (``0 < split < H``) two, heads ``[:split]`` and ``[split:]`` (the queries and
+    keys of one fused projection, in one launch)."""
     if triton is None:
         raise RuntimeError("rope_norm_rows needs Triton")
     tokens, heads, head_dim = x.shape
-    out = torch.empty(tokens, heads, head_dim, dtype=x.dtype, device=x.device)
+    if split is not None and not 0 < split < heads:
+        raise ValueError(f"rope_norm_rows: split must be in 1..{heads - 1}, got {split}")
+    first = heads if split is None else split
+    out = torch.empty(tokens, first, head_dim, dtype=x.dtype, device=x.device)
+    out2 = out if split is None else torch.empty(tokens, heads - first, head_dim,
+                                                 dtype=x.dtype, device=x.device)
     freqs = torch.view_as_real(freqs_cis)  # [T, D / 2, 2] float32: cos, sin pairs
     if freqs.stride(-1) != 1 or freqs.stride(-2) != 2:
         freqs = freqs.contiguous()
     if tokens and heads:
         _rope_norm_kernel[(tokens, heads)](
-            x, freqs, out, 0.0 if eps is None else float(eps), x.stride(0), x.stride(1),
-            freqs.stride(0), out.stride(0), out.stride(1), HALF=head_dim // 2,
-            HAS_NORM=eps is not None, num_warps=1)
-    return out
+            x, freqs, out, out2, 0.0 if eps is None else float(eps), first, x.stride(0),
+            x.stride(1), freqs.stride(0), out.stride(0), out.stride(1), out2.stride(0),
+            out2.stride(1), HALF=head_dim // 2, HAS_NORM=eps is not None, num_warps=1)
+    return out if split is None else (out, out2)
