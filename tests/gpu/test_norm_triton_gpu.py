@@ -113,6 +113,28 @@ def test_rope_kernel_gives_torchs_heads(tokens, eps, monkeypatch):
         within_one_bf16_unit(rope_heads(x, freqs, eps), want, pair_magnitude(want))
 
 
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_rope_of_queries_and_keys_in_one_launch(tokens, monkeypatch):
+    """llama4.rope_qk: the fused projection's q and k heads in one launch, the bits of one
+    launch each, eagerly and replayed from a CUDA graph."""
+    from chunklocal.models.llama4 import rope_qk
+
+    monkeypatch.setattr(norm_triton, "NORM_ENABLED", True)
+    q, k, freqs, _ = scout_heads(tokens, seed=5)
+    calls, real = [], norm_triton.rope_norm_rows
+    monkeypatch.setattr(norm_triton, "rope_norm_rows",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got_q, got_k = rope_qk(q, k, freqs, 1e-5)
+    assert calls == [1]
+    assert torch.equal(got_q, real(q, freqs, 1e-5)) and torch.equal(got_k, real(k, freqs, 1e-5))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_q, out_k = rope_qk(q, k, freqs, 1e-5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_q, got_q) and torch.equal(out_k, got_k)
+
+
 def test_rope_kernel_replays_in_a_cuda_graph(monkeypatch):
     monkeypatch.setattr(norm_triton, "NORM_ENABLED", True)
     q, _, freqs, qkv = scout_heads(16, seed=1)
