@@ -116,7 +116,7 @@ def pairs(x: torch.Tensor, router, top_k: int, num_groups: int, shared: bool) ->
     tokens = x.shape[0]
     count = tokens * (top_k + int(shared))
     if top_k == 1 and ROUTING_SIMULATION != "uniform_random" \
-            and route_triton.fused_available(x, count):
+            and num_groups <= route_triton.MAX_EXPERTS and route_triton.fused_available(x, count):
         logits = router_logits(x, router)
         offset = None
         if ROUTING_SIMULATION == "balanced":  # the rotation, as simulated_experts turns it
