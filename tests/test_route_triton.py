@@ -161,6 +161,15 @@ SCRIPT = textwrap.dedent("""
         off = layer(x)
         torch.testing.assert_close(fused_on, off, rtol=1e-5, atol=1e-6)
         routing.ROUTING_SIMULATION = ""
+        # past MAX_EXPERTS the fused kernel is not asked (torch's top-k and sort run)
+        wide = moe.MoE(route_triton.MAX_EXPERTS + 1, 1, 16, 8, nn.SiLU())
+        for prm in wide.parameters():
+            prm.normal_(0, 0.2)
+        x = torch.randn(3, 16)
+        route_triton.FUSED_ENABLED = True
+        on = wide(x)
+        route_triton.FUSED_ENABLED = False
+        assert torch.equal(on, wide(x))
     print("ok")
 """)
 
