@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent("""
             for shared in (False, True):
                 for tokens in (1, 2, 3, 7, 16, 31, 32, 64):
                     if tokens * (k + shared) > MAX_PAIRS:
-                        assert not route_available(torch.zeros(1), tokens * (k + shared))
+                        assert not route_available(torch.zeros(1), tokens * (k + shared),
+                                                   num_experts + shared)
                         continue
                     for skew in (False, True):
                         logits = torch.randn(tokens, num_experts, generator=gen)
@@ -51,7 +52,8 @@ SCRIPT = textwrap.dedent("""
                         top, expert = torch.topk(logits, k, dim=1)
                         for dtype in (torch.float32, torch.float16):
                             score = torch.sigmoid(top).to(dtype)
-                            assert route_available(score, tokens * (k + shared))
+                            assert route_available(score, tokens * (k + shared),
+                                                   num_experts + shared)
                             got = sort_pairs(expert, score, num_experts, shared)
                             want = routing.sort_pairs_torch(expert, score, num_experts,
                                                             shared)
@@ -63,6 +65,31 @@ SCRIPT = textwrap.dedent("""
                             assert torch.equal(order[rank], torch.arange(order.numel()))
                             cases += 1
     print(cases, "cases")
+
+    # wide steps (route_triton.WIDE_ENABLED): the counting sort's [P, groups] tile up to
+    # MAX_LANES; the sort and the fused routing against torch's path as above
+    assert not route_triton.WIDE_ENABLED  # off by default (=1 turns it on)
+    route_triton.WIDE_ENABLED = True
+    assert route_triton.max_pairs(17) == 512 and route_triton.max_pairs(16) == 1024
+    assert route_triton.max_pairs(129) == 64 and route_triton.max_pairs(128) == 128
+    for num_experts, k, shared, tokens in ((16, 1, True, 256), (16, 1, False, 1024),
+                                           (16, 2, False, 300), (128, 1, False, 128)):
+        pairs, groups = tokens * (k + shared), num_experts + shared
+        logits = torch.randn(tokens, num_experts, generator=gen)
+        logits[: tokens // 3, 5] += 3.0
+        top, expert = torch.topk(logits, k, dim=1)
+        score = torch.sigmoid(top)
+        assert route_available(score, pairs, groups)
+        assert not route_available(score, route_triton.max_pairs(groups) + 1, groups)
+        got = sort_pairs(expert, score, num_experts, shared)
+        want = routing.sort_pairs_torch(expert, score, num_experts, shared)
+        for g, w in zip(got[:4], want, strict=True):
+            assert torch.equal(g, w), (num_experts, k, shared, tokens)
+        if k == 1:
+            fused = route_triton.route_pairs(logits, num_experts, shared, torch.float32)
+            for g, w in zip(fused[:3], want[:3], strict=True):
+                assert torch.equal(g, w), (num_experts, shared, tokens)
+    route_triton.WIDE_ENABLED = False
 
     # route_pairs: top-1 from the logits (or the balanced rotation) against routing.route
     # and torch's sort; scores within two units in the last place of their dtype
@@ -126,9 +153,9 @@ SCRIPT = textwrap.dedent("""
 
     # the switch and the size bound
     route_triton.ROUTE_ENABLED = False
-    assert not route_available(torch.zeros(1), 1)
+    assert not route_available(torch.zeros(1), 1, 16)
     route_triton.ROUTE_ENABLED = True
-    assert not route_available(torch.zeros(1), 0)
+    assert not route_available(torch.zeros(1), 0, 16)
 
     # the MoE block, shared expert stacked and run as group E, with the kernel and without
     from torch import nn

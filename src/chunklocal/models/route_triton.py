@@ -11,10 +11,10 @@ its 10.4 busy in some 2,300 such small kernels (BENCHMARKS.md, twentieth session
 
 :func:`sort_pairs` does all of it in one launch for up to ``MAX_PAIRS`` pairs: one program
 loads the pairs' group ids, ranks each pair by (group, flat index) -- a stable sort, as
-torch's -- with a ``[P, P]`` comparison, and stores the order, the tokens and the scores at
-their ranks and each group's end row.  Only integers move and the scores are copied, so
-its outputs equal torch's path bit for bit (tests/test_route_triton.py, in Triton's
-interpreter; tests/gpu/test_moe_gpu.py on the GPU).
+torch's -- by counting (a cumulative sum of the ``[P, groups]`` one-hot), and stores the
+order, the tokens and the scores at their ranks and each group's end row.  Only integers
+move and the scores are copied, so its outputs equal torch's path bit for bit
+(tests/test_route_triton.py, in Triton's interpreter; tests/gpu/test_moe_gpu.py on the GPU).
 
 On by default (``CHUNKLOCAL_MOE_ROUTE_TRITON=0`` turns it off; ``benchmarks/switch_ab.py
 --switches route``): written without a GPU in the twentieth session; on an H100 in the
@@ -50,10 +50,17 @@ if triton is not None:
 
 #: The switch, read when a layer runs (``CHUNKLOCAL_MOE_ROUTE_TRITON=0`` turns it off).
 ROUTE_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_TRITON", "1") == "1"
-#: Steps of at most this many (token, slot) pairs sort in the kernel: its ``[P, P]``
-#: comparison is P^2 lanes of one program (4,096 at 64: batch 64 at top-1, or 32 tokens with
-#: the shared group).  Longer steps keep torch's radix sort.
+#: Steps of at most this many (token, slot) pairs sort in the kernel (one program; batch 64
+#: at top-1, or 32 tokens with the shared group): the size the H100 A/B measured.  Longer
+#: steps keep torch's radix sort, unless :data:`WIDE_ENABLED`.
 MAX_PAIRS = 64
+#: Wider steps in the kernel too (``CHUNKLOCAL_MOE_ROUTE_WIDE=1``; ``--switches route_wide``):
+#: up to :data:`MAX_WIDE_PAIRS` pairs while the ``[P, groups]`` tile of the counting sort
+#: stays within :data:`MAX_LANES` (Scout: 512 pairs with the shared group, 1,024 without;
+#: Maverick: 64 and 128).  Off until an A/B at batch 64-256 measures it.
+WIDE_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_WIDE", "0") == "1"
+MAX_WIDE_PAIRS = 1024
+MAX_LANES = 16384
 #: :func:`route_pairs` and :func:`combine_rows`' switch (``CHUNKLOCAL_MOE_ROUTE_FUSED=0``
 #: turns it off), read when a layer runs.
 FUSED_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_FUSED", "1") == "1"
@@ -63,15 +70,34 @@ MAX_EXPERTS = 128
 COMBINE_BLOCK = 1024  # hidden elements per combine program
 
 
-def route_available(score: torch.Tensor, pairs: int) -> bool:
-    """:func:`sort_pairs` runs for ``pairs`` pairs of scores ``score`` and is switched on."""
-    return ROUTE_ENABLED and 0 < pairs <= MAX_PAIRS and available(score)
+def max_pairs(groups: int) -> int:
+    """The most pairs the kernels take for ``groups`` groups (experts, and the shared one)."""
+    if not WIDE_ENABLED:
+        return MAX_PAIRS
+    return min(MAX_WIDE_PAIRS, MAX_LANES // _pow2(groups))
 
 
-def fused_available(x: torch.Tensor, pairs: int) -> bool:
-    """:func:`route_pairs` and :func:`combine_rows` run for ``pairs`` pairs of activations
-    ``x`` and are switched on (the caller checks top-1 and the experts' count)."""
-    return FUSED_ENABLED and 0 < pairs <= MAX_PAIRS and available(x)
+def _pow2(n: int) -> int:
+    """The least power of two >= n (triton.next_power_of_2, without Triton)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _warps(pairs: int, groups: int) -> int:
+    """Warps of the one program: more where its [P, groups] tile is wide."""
+    return 8 if _pow2(pairs) * _pow2(groups) > 4096 else 4
+
+
+def route_available(score: torch.Tensor, pairs: int, groups: int) -> bool:
+    """:func:`sort_pairs` runs for ``pairs`` pairs over ``groups`` groups, scores ``score``,
+    and is switched on."""
+    return ROUTE_ENABLED and 0 < pairs <= max_pairs(groups) and available(score)
+
+
+def fused_available(x: torch.Tensor, pairs: int, groups: int) -> bool:
+    """:func:`route_pairs` and :func:`combine_rows` run for ``pairs`` pairs over ``groups``
+    groups of activations ``x`` and are switched on (the caller checks top-1 and the
+    experts' count)."""
+    return FUSED_ENABLED and 0 < pairs <= max_pairs(groups) and available(x)
 
 
 def combine_available(rows: torch.Tensor) -> bool:
@@ -104,8 +130,8 @@ def sort_pairs(expert: torch.Tensor, score: torch.Tensor, num_groups: int, share
     out = _outputs(pairs, groups, score.dtype, expert.device)
     _sort_pairs_kernel[(1,)](
         expert.contiguous(), score.contiguous(), *out, pairs, num_groups, groups, K=k,
-        SLOTS=slots, BLOCK_P=triton.next_power_of_2(pairs),
-        BLOCK_G=triton.next_power_of_2(groups))
+        SLOTS=slots, BLOCK_P=_pow2(pairs), BLOCK_G=_pow2(groups),
+        num_warps=_warps(pairs, groups))
     return out
 
 
@@ -126,8 +152,8 @@ def route_pairs(logits: torch.Tensor, num_groups: int, shared: bool, dtype: torc
     logits = logits.contiguous()
     _route_pairs_kernel[(1,)](
         logits, *out, pairs, num_experts, groups, balanced_offset or 0, SLOTS=slots,
-        BALANCED=balanced_offset is not None, BLOCK_P=triton.next_power_of_2(pairs),
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_G=triton.next_power_of_2(groups))
+        BALANCED=balanced_offset is not None, BLOCK_P=_pow2(pairs), BLOCK_E=_pow2(num_experts),
+        BLOCK_G=_pow2(groups), num_warps=_warps(pairs, groups))
     return out
 
 
@@ -165,17 +191,20 @@ if triton is not None:
 
     @triton.jit
     def _sort_pairs_store(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
-                      rank_ptr, G, BLOCK_G: tl.constexpr):
-        # rank = pairs before this one in (group, flat index) order: a stable sort
-        before = (gid[None, :] < gid[:, None]) | ((gid[None, :] == gid[:, None])
-                                                    & (p[None, :] < p[:, None]))
-        rank = tl.sum(before.to(tl.int32), axis=1)
+                          rank_ptr, G, BLOCK_G: tl.constexpr):
+        # A counting sort, stable as torch's: a pair's row is its group's start plus the
+        # pairs of its group before it (a cumulative sum of the [P, G] one-hot down P).
+        # Pairs past P (group 2**31 - 1) match no column and are not stored.
+        g = tl.arange(0, BLOCK_G)
+        onehot = (gid[:, None] == g[None, :]).to(tl.int32)
+        counts = tl.sum(onehot, axis=0)
+        ends = tl.cumsum(counts, 0)
+        before = tl.cumsum(onehot, 0) - 1 + (ends - counts)[None, :]
+        rank = tl.sum(onehot * before, axis=1)
         tl.store(order_ptr + rank, p.to(tl.int64), mask=valid)
         tl.store(token_ptr + rank, t.to(tl.int64), mask=valid)
         tl.store(pair_score_ptr + rank, sc.to(pair_score_ptr.dtype.element_ty), mask=valid)
         tl.store(rank_ptr + p, rank.to(tl.int64), mask=valid)
-        g = tl.arange(0, BLOCK_G)
-        ends = tl.sum((gid[None, :] <= g[:, None]).to(tl.int32), axis=1)
         tl.store(offs_ptr + g, ends, mask=g < G)
 
     # the simulation's offset changes every call: no recompiles for its value

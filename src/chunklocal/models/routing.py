@@ -114,9 +114,10 @@ def pairs(x: torch.Tensor, router, top_k: int, num_groups: int, shared: bool) ->
     weights' routing or "balanced", and its switch on; else :func:`route`, then
     route_triton.sort_pairs or torch's ops."""
     tokens = x.shape[0]
-    count = tokens * (top_k + int(shared))
+    count, groups = tokens * (top_k + int(shared)), num_groups + int(shared)
     if top_k == 1 and ROUTING_SIMULATION != "uniform_random" \
-            and num_groups <= route_triton.MAX_EXPERTS and route_triton.fused_available(x, count):
+            and num_groups <= route_triton.MAX_EXPERTS \
+            and route_triton.fused_available(x, count, groups):
         logits = router_logits(x, router)
         offset = None
         if ROUTING_SIMULATION == "balanced":  # the rotation, as simulated_experts turns it
@@ -124,7 +125,7 @@ def pairs(x: torch.Tensor, router, top_k: int, num_groups: int, shared: bool) ->
             offset = _SIMULATED_CALLS[0] % num_groups
         return route_triton.route_pairs(logits, num_groups, shared, x.dtype, offset)
     expert, score = route(x, router, top_k)
-    if route_triton.route_available(score, count):
+    if route_triton.route_available(score, count, groups):
         return route_triton.sort_pairs(expert, score, num_groups, shared)
     return (*sort_pairs_torch(expert, score, num_groups, shared), None)
 
