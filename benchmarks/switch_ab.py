@@ -48,6 +48,7 @@ SWITCHES = {
     "norm": ("chunklocal.models.norm_triton", "NORM_ENABLED"),
     "route": ("chunklocal.models.route_triton", "ROUTE_ENABLED"),
     "route_fused": ("chunklocal.models.route_triton", "FUSED_ENABLED"),
+    "route_wide": ("chunklocal.models.route_triton", "WIDE_ENABLED"),
 }
 #: name: (attribute of every MoE layer, its value when on) of switches each layer holds,
 #: flipped between that value and 0.  "shared": the shared expert as group E of the routed

@@ -204,20 +204,21 @@ def test_route_kernel(recorded):
     """Top-1 ids and bf16 scores of 1 and 16 tokens (Scout's 16 experts), with and without
     the shared expert's group, and Maverick's 128 with it (a 256-wide group block)."""
     for tokens, experts, shared in ((1, 16, True), (16, 16, True), (64, 16, False),
-                                    (8, 128, True)):
+                                    (8, 128, True), (256, 16, True), (1024, 16, False)):
         route_triton.sort_pairs(torch.zeros(tokens, 1, dtype=torch.int64),
                                 torch.zeros(tokens, 1, dtype=BF16), experts, shared)
-    compile_all(recorded["_sort_pairs_kernel"], 4)
+    compile_all(recorded["_sort_pairs_kernel"], 6)  # the last two: wide steps
 
 
 def test_fused_routing_kernels(recorded):
     """route_pairs from bf16 logits (Scout's 16 experts with and without the shared group,
     the balanced rotation, Maverick's 128) and combine_rows over Scout's hidden size."""
     for tokens, experts, shared, offset in ((1, 16, True, None), (16, 16, True, 3),
-                                            (64, 16, False, None), (8, 128, True, 7)):
+                                            (64, 16, False, None), (8, 128, True, 7),
+                                            (256, 16, True, None)):
         route_triton.route_pairs(torch.zeros(tokens, experts, dtype=BF16), experts, shared,
                                  BF16, offset)
-    compile_all(recorded["_route_pairs_kernel"], 4)
+    compile_all(recorded["_route_pairs_kernel"], 5)
     for tokens, slots in ((1, 2), (64, 1)):
         route_triton.combine_rows(torch.zeros(tokens * slots, 5120, dtype=BF16),
                                   torch.zeros(tokens * slots, dtype=torch.int64), tokens, slots)

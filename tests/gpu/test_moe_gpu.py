@@ -219,16 +219,19 @@ def test_sort_pairs_equals_torchs_path_on_the_gpu(tokens, shared):
 
 @pytest.mark.parametrize("balanced", [None, 5], ids=["top1", "balanced"])
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared-group"])
-@pytest.mark.parametrize("tokens", [1, 3, 16, 32, 64])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 32, 64, 256])
 @torch.no_grad()
-def test_fused_routing_and_combine_on_the_gpu(tokens, shared, balanced):
+def test_fused_routing_and_combine_on_the_gpu(tokens, shared, balanced, monkeypatch):
     """route_triton.route_pairs from bf16 logits against routing's torch path (experts,
     order, offsets and tokens equal; scores within two bf16 ulps), and combine_rows against
-    the scatter and sum (bf16, equal), eagerly and replayed from a CUDA graph."""
+    the scatter and sum (bf16, equal), eagerly and replayed from a CUDA graph; 256 tokens
+    as a wide step (route_triton.WIDE_ENABLED)."""
     pytest.importorskip("triton")
     from chunklocal.models import route_triton, routing
 
     if tokens * (1 + shared) > route_triton.MAX_PAIRS:
+        monkeypatch.setattr(route_triton, "WIDE_ENABLED", True)
+    if tokens * (1 + shared) > route_triton.max_pairs(16 + shared):
         pytest.skip("past the kernel's pairs")
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     # each row a permutation of 16 logits a quarter apart: no tie for the top-1 to break
