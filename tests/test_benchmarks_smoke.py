@@ -281,6 +281,13 @@ def test_kernel_classes_of_the_names_seen_on_the_h200():
             "expert GEMMs",
         "void flashinfer::BatchPrefillWithPagedKVCacheKernel<true, flashinfer::KernelTrai":
             "attention",
+        # with an FP8 KV cache the same kernel names its e4m3 operands (once "dense GEMMs,
+        # FP8"), and split-KV's merge (once "other")
+        "void flashinfer::BatchPrefillWithPagedKVCacheKernel<true, flashinfer::KernelTraits"
+        "<(flashinfer::MaskMode)0, 16u, 1u, 8u, __nv_bfloat16, __nv_fp8_e4m3, float>":
+            "attention",
+        "void flashinfer::PersistentVariableLengthMergeStatesKernel<8u, 16u, 8u, 4u, "
+        "__nv_bfloat16, __nv_bfloat16, int>": "attention",
         "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda":
             "copies",
         "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
