@@ -3,7 +3,7 @@
 After the router's top-k, :meth:`MoE._block` turns the ``[T, k]`` expert ids and scores into
 the grouped GEMMs' inputs: with the shared expert as group E (FP8, at most
 ``moe.SHARED_GROUP_TOKENS`` tokens) it appends a column of E and a column of ones (a fill and
-a cat each), then :func:`moe.sort_by_expert` (a cast to uint8, torch's sort, an arange, a
+a cat each), then :func:`routing.sort_by_expert` (a cast to uint8, torch's sort, an arange, a
 searchsorted), the token of each sorted pair (a division) and its score (a gather): about
 eleven launches a layer, each a few microseconds at batch 1 whatever its size, about 530 in
 a decode step of full-size Scout (48 layers).  The H200's batch-1 step spent about 2.9 ms of
