@@ -65,7 +65,8 @@ def run_in_interpreter(script: str) -> None:
                    "CHUNKLOCAL_FP8_ROUTED_SLOTS", "CHUNKLOCAL_MOE_GATHER_QUANT",
                    "CHUNKLOCAL_MOE_SILU_QUANT", "CHUNKLOCAL_FP8_QUANT_ONE_PASS",
                    "CHUNKLOCAL_FP8_SPLITK_SUM", "CHUNKLOCAL_MOE_ROUTE_TRITON",
-                   "CHUNKLOCAL_MOE_ROUTE_FUSED", "CHUNKLOCAL_MOE_ROUTE_WIDE"):
+                   "CHUNKLOCAL_MOE_ROUTE_FUSED", "CHUNKLOCAL_MOE_ROUTE_WIDE",
+                   "CHUNKLOCAL_MOE_ROUTER_IN_KERNEL"):
         env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)

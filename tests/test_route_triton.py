@@ -132,6 +132,40 @@ SCRIPT = textwrap.dedent("""
     with pytest_raises(ValueError, "route_pairs: logits of 4 experts for 5 groups"):
         route_triton.route_pairs(tied, 5, False, torch.float32)
 
+    # route_pairs_from_x: the router's GEMM in the launch (float32 rows: IEEE dots, sums of
+    # 128-wide slices in slice order), against torch's logits routed as above
+    assert not route_triton.ROUTER_IN_KERNEL  # off by default (=1 turns it on)
+    for num_experts, hidden, shared, tokens, offset in (
+            (16, 5120, True, 1, None), (16, 5120, False, 16, 7), (4, 300, True, 5, None),
+            (128, 256, False, 64, None), (16, 640, True, 32, 2)):
+        x = torch.randn(tokens, hidden, generator=gen)
+        weight = torch.randn(num_experts, hidden, generator=gen) / hidden ** 0.5
+        logits = x @ weight.T
+        if offset is None:
+            expert = torch.topk(logits, 1, dim=1).indices
+            top2 = torch.topk(logits, min(2, num_experts), dim=1).values
+            assert num_experts == 1 or bool((top2[:, 0] - top2[:, -1] > 1e-4).all())
+        else:
+            expert = (torch.arange(tokens).view(-1, 1) + offset) % num_experts
+        score = torch.sigmoid(logits.gather(1, expert))
+        want = routing.sort_pairs_torch(expert, score, num_experts, shared)
+        for _ in range(2):  # the ticket is left zeroed: a second call routes again
+            got = route_triton.route_pairs_from_x(x, weight, shared, offset)
+            for g, w in zip(got[:3], want[:3], strict=True):
+                assert torch.equal(g, w), (num_experts, hidden, shared, tokens, offset)
+            torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)
+            assert not route_triton._ROUTER_COUNTERS[x.device].any()
+    with pytest_raises(ValueError, "route_pairs_from_x: a router (4, 8) for rows of 9"):
+        route_triton.route_pairs_from_x(torch.zeros(2, 9), torch.zeros(4, 8), False)
+    lin = torch.nn.Linear(8, 4, bias=False)
+    x8 = torch.zeros(2, 8)
+    assert route_triton.router_weight(x8, lin) is None  # switched off
+    route_triton.ROUTER_IN_KERNEL = True
+    assert route_triton.router_weight(x8, lin) is lin.weight
+    assert route_triton.router_weight(x8, torch.nn.Linear(8, 4)) is None  # a bias
+    assert route_triton.router_weight(x8.half(), lin) is None  # another dtype
+    route_triton.ROUTER_IN_KERNEL = False
+
     # combine_rows against the scatter back to pair order and the sum over the slots
     # (float16, not bfloat16: the interpreter rounds float32 to bfloat16 toward zero, where
     # the GPU rounds to nearest even; tests/gpu/test_moe_gpu.py checks bfloat16)
@@ -177,6 +211,12 @@ SCRIPT = textwrap.dedent("""
             # float32 scores: Triton's sigmoid may differ by an ulp, and the expert's input
             # with it
             torch.testing.assert_close(fused_on, off, rtol=1e-5, atol=1e-6)
+        # the router's GEMM in the launch too: the same block to float32's rounding
+        x = torch.randn(7, 64)
+        route_triton.FUSED_ENABLED, route_triton.ROUTER_IN_KERNEL = True, True
+        in_kernel = layer(x)
+        route_triton.FUSED_ENABLED, route_triton.ROUTER_IN_KERNEL = False, False
+        torch.testing.assert_close(in_kernel, layer(x), rtol=1e-5, atol=1e-6)
         # balanced simulation: the fused kernel's rotation is routing.route's
         routing.ROUTING_SIMULATION = "balanced"
         x = torch.randn(9, 64)

@@ -68,6 +68,17 @@ FUSED_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_FUSED", "1") == "1"
 #: (Maverick's 128 at 64 pairs: 8,192 lanes of one program).
 MAX_EXPERTS = 128
 COMBINE_BLOCK = 1024  # hidden elements per combine program
+#: The router's GEMM inside :func:`route_pairs`' launch (:func:`route_pairs_from_x`;
+#: ``CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1``, ``--switches router``): at batch 1 cuBLAS runs
+#: the router as a split-K GEMM and its reduce, two launches a layer (about 6 us on an H100,
+#: 0.3 ms a full-size step).  Here each program multiplies one K-slice of every token's row
+#: by the router and the last to finish (a ticket, as moe_triton's in-kernel sum) adds the
+#: slices in slice order, rounds the logits to the activations' dtype and routes and sorts
+#: as :func:`route_pairs`.  The sum's order is not cuBLAS's, so a logit may differ in its
+#: last place and a near-tie route the other way.  Off until an A/B measures it.
+ROUTER_IN_KERNEL = os.environ.get("CHUNKLOCAL_MOE_ROUTER_IN_KERNEL", "0") == "1"
+ROUTER_BLOCK_K = 128  # hidden elements per program (Scout: 40 programs)
+_ROUTER_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def max_pairs(groups: int) -> int:
@@ -98,6 +109,18 @@ def fused_available(x: torch.Tensor, pairs: int, groups: int) -> bool:
     groups of activations ``x`` and are switched on (the caller checks top-1 and the
     experts' count)."""
     return FUSED_ENABLED and 0 < pairs <= max_pairs(groups) and available(x)
+
+
+def router_weight(x: torch.Tensor, router) -> torch.Tensor | None:
+    """The router's weight ``[E, H]`` where :func:`route_pairs_from_x` takes it for ``x``
+    (switched on, no bias, x's dtype, both contiguous), else None."""
+    weight = router if isinstance(router, torch.Tensor) else getattr(router, "weight", None)
+    if (not ROUTER_IN_KERNEL or not isinstance(weight, torch.Tensor)
+            or getattr(router, "bias", None) is not None or weight.dtype != x.dtype
+            or weight.dim() != 2 or weight.shape[1] != x.shape[1]
+            or not (weight.is_contiguous() and x.is_contiguous())):
+        return None
+    return weight
 
 
 def combine_available(rows: torch.Tensor) -> bool:
@@ -157,6 +180,36 @@ def route_pairs(logits: torch.Tensor, num_groups: int, shared: bool, dtype: torc
     return out
 
 
+def route_pairs_from_x(x: torch.Tensor, weight: torch.Tensor, shared: bool,
+                       balanced_offset: int | None = None) -> tuple[torch.Tensor, ...]:
+    """:func:`route_pairs` of the logits ``x @ weight.T`` (``x [T, H]``, the router's
+    ``weight [E, H]``), the GEMM in the same launch: float32 sums of ``ROUTER_BLOCK_K``
+    slices, added in slice order and rounded to ``x``'s dtype."""
+    tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    if num_experts > MAX_EXPERTS or weight.shape[1] != hidden:
+        raise ValueError(f"route_pairs_from_x: a router {tuple(weight.shape)} for rows of "
+                         f"{hidden} (at most MAX_EXPERTS={MAX_EXPERTS} experts)")
+    slots = 1 + int(shared)
+    pairs, groups = tokens * slots, num_experts + int(shared)
+    out = _outputs(pairs, groups, x.dtype, x.device)
+    splits = triton.cdiv(hidden, ROUTER_BLOCK_K)
+    part = torch.empty(splits, tokens, num_experts, dtype=torch.float32, device=x.device)
+    counter = _ROUTER_COUNTERS.get(x.device)
+    if counter is None:  # one zeroed ticket, left zeroed by every call (one stream at a time)
+        counter = _ROUTER_COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32,
+                                                           device=x.device)
+    if tokens:
+        _router_pairs_kernel[(splits,)](
+            x, weight, part, counter, *out, tokens, hidden, pairs, num_experts, groups,
+            balanced_offset or 0, x.stride(0), SLOTS=slots,
+            BALANCED=balanced_offset is not None, IEEE=x.dtype == torch.float32,
+            BLOCK_T=max(16, _pow2(tokens)), BLOCK_E=max(16, _pow2(num_experts)),
+            BLOCK_K=ROUTER_BLOCK_K, BLOCK_P=_pow2(pairs), BLOCK_G=_pow2(groups),
+            num_warps=_warps(pairs, groups))
+    return out
+
+
 def combine_rows(rows: torch.Tensor, rank: torch.Tensor, tokens: int, slots: int
                  ) -> torch.Tensor:
     """``[tokens, H]``: row ``t`` the sum of ``rows[rank[t * slots + s]]`` over the slots,
@@ -187,7 +240,7 @@ if triton is not None:
         gid = tl.where(valid, gid, 2147483647)     # past P: after every real group
         sc = tl.load(score_ptr + t * K + s, mask=routed, other=1.0)
         _sort_pairs_store(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
-                      rank_ptr, G, BLOCK_G)
+                          rank_ptr, G, BLOCK_G)
 
     @triton.jit
     def _sort_pairs_store(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
@@ -221,6 +274,15 @@ if triton is not None:
         logit = tl.load(logits_ptr + t[:, None] * E + e[None, :],
                         mask=routed[:, None] & (e[None, :] < E),
                         other=float("-inf")).to(tl.float32)
+        _route_pairs_select(logit, e, p, t, valid, routed, E, offset, order_ptr, offs_ptr,
+                            token_ptr, pair_score_ptr, rank_ptr, G, BALANCED, BLOCK_E,
+                            BLOCK_G)
+
+    @triton.jit
+    def _route_pairs_select(logit, e, p, t, valid, routed, E, offset, order_ptr, offs_ptr,
+                            token_ptr, pair_score_ptr, rank_ptr, G, BALANCED: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+        # logit [P, E] float32, -inf off the routed pairs and past E
         if BALANCED:  # pair t * top_k + 0 of the call: expert (t + offset) mod E
             gid = (t + offset) % E
             top = tl.sum(tl.where(e[None, :] == gid[:, None], logit, 0.0), axis=1)
@@ -231,7 +293,47 @@ if triton is not None:
         gid = tl.where(routed, gid, E)  # the shared slot is group E
         gid = tl.where(valid, gid, 2147483647)  # past P: after every real group
         _sort_pairs_store(gid, p, t, sc, valid, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
-                      rank_ptr, G, BLOCK_G)
+                          rank_ptr, G, BLOCK_G)
+
+    @triton.jit(do_not_specialize=["offset"])
+    def _router_pairs_kernel(x_ptr, w_ptr, part_ptr, count_ptr, order_ptr, offs_ptr,
+                             token_ptr, pair_score_ptr, rank_ptr, T, H, P, E, G, offset,
+                             stride_x, SLOTS: tl.constexpr, BALANCED: tl.constexpr,
+                             IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                             BLOCK_G: tl.constexpr):
+        split = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_T)
+        e = tl.arange(0, BLOCK_E)
+        k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :],
+                     mask=(rows < T)[:, None] & (k < H)[None, :], other=0.0)
+        wk = tl.load(w_ptr + e[None, :] * H + k[:, None],
+                     mask=(e < E)[None, :] & (k < H)[:, None], other=0.0)
+        if IEEE:  # float32 rows: no TF32
+            acc = tl.dot(xk, wk, input_precision="ieee")
+        else:
+            acc = tl.dot(xk, wk)
+        tl.store(part_ptr + split * T * E + rows[:, None] * E + e[None, :], acc,
+                 mask=(rows < T)[:, None] & (e < E)[None, :])
+        tl.debug_barrier()  # every thread's partial stored before the ticket (release)
+        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(0) - 1:  # the last slice in: add, route, sort
+            p = tl.arange(0, BLOCK_P)
+            valid = p < P
+            t = p // SLOTS
+            routed = valid & (p % SLOTS == 0)
+            ok = routed[:, None] & (e < E)[None, :]
+            logit = tl.zeros((BLOCK_P, BLOCK_E), dtype=tl.float32)
+            for s in range(0, tl.num_programs(0)):  # L2 (.cg): other programs' stores
+                logit += tl.load(part_ptr + s * T * E + t[:, None] * E + e[None, :],
+                                 mask=ok, other=0.0, cache_modifier=".cg")
+            logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)  # the router's output
+            logit = tl.where(ok, logit, float("-inf"))
+            _route_pairs_select(logit, e, p, t, valid, routed, E, offset, order_ptr, offs_ptr,
+                                token_ptr, pair_score_ptr, rank_ptr, G, BALANCED, BLOCK_E,
+                                BLOCK_G)
+            tl.store(count_ptr, 0)  # ready for the next call on this stream
 
     @triton.jit
     def _combine_kernel(rows_ptr, rank_ptr, out_ptr, H, stride_r, stride_o,

@@ -111,19 +111,23 @@ def pairs(x: torch.Tensor, router, top_k: int, num_groups: int, shared: bool) ->
     row of pair ``t * slots + s``, for :func:`combine`) or None where torch sorted.
 
     One kernel from the logits (route_triton.route_pairs) where it runs: top-1, the
-    weights' routing or "balanced", and its switch on; else :func:`route`, then
-    route_triton.sort_pairs or torch's ops."""
+    weights' routing or "balanced", and its switch on (with the router's GEMM in it too,
+    route_triton.route_pairs_from_x, where :data:`route_triton.ROUTER_IN_KERNEL`); else
+    :func:`route`, then route_triton.sort_pairs or torch's ops."""
     tokens = x.shape[0]
     count, groups = tokens * (top_k + int(shared)), num_groups + int(shared)
     if top_k == 1 and ROUTING_SIMULATION != "uniform_random" \
             and num_groups <= route_triton.MAX_EXPERTS \
             and route_triton.fused_available(x, count, groups):
-        logits = router_logits(x, router)
         offset = None
         if ROUTING_SIMULATION == "balanced":  # the rotation, as simulated_experts turns it
             _SIMULATED_CALLS[0] += 1
             offset = _SIMULATED_CALLS[0] % num_groups
-        return route_triton.route_pairs(logits, num_groups, shared, x.dtype, offset)
+        weight = route_triton.router_weight(x, router)
+        if weight is not None:  # the router's GEMM in the same launch
+            return route_triton.route_pairs_from_x(x, weight, shared, offset)
+        return route_triton.route_pairs(router_logits(x, router), num_groups, shared,
+                                        x.dtype, offset)
     expert, score = route(x, router, top_k)
     if route_triton.route_available(score, count, groups):
         return route_triton.sort_pairs(expert, score, num_groups, shared)
