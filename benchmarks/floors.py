@@ -167,8 +167,9 @@ KERNEL_CLASSES = (
     # moe_triton's FP8 kernel runs the routed experts and (as one group) the dense layers
     ("FP8 GEMMs, Triton (experts and dense)", r"_fp8_splitk_kernel"),
     # route_triton's pair bookkeeping (sort by expert, group ends) in one launch, from the
-    # router's logits with the fused routing, and its sum of each token's expert outputs
-    ("MoE routing, Triton", r"_sort_pairs|_route_pairs_kernel|_combine_kernel"),
+    # router's logits with the fused routing (or its GEMM too), and its sum of each token's
+    # expert outputs
+    ("MoE routing, Triton", r"_sort_pairs|_route_pairs|_router_pairs_kernel|_combine_kernel"),
     # before the GEMM classes: an FP8 KV cache's attention kernel carries ``__nv_fp8_e4m3`` in
     # its name, which the FP8 GEMMs' pattern took (the twentieth session's H200 profile of
     # Scout FP8 put 48 launches a batch-1 step, 0.64 ms, in "dense GEMMs, FP8", which that

@@ -49,6 +49,7 @@ SWITCHES = {
     "route": ("chunklocal.models.route_triton", "ROUTE_ENABLED"),
     "route_fused": ("chunklocal.models.route_triton", "FUSED_ENABLED"),
     "route_wide": ("chunklocal.models.route_triton", "WIDE_ENABLED"),
+    "router": ("chunklocal.models.route_triton", "ROUTER_IN_KERNEL"),
 }
 #: name: (attribute of every MoE layer, its value when on) of switches each layer holds,
 #: flipped between that value and 0.  "shared": the shared expert as group E of the routed

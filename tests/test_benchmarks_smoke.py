@@ -323,6 +323,8 @@ TRITON_KERNEL_CLASSES = {
     "_sort_pairs_kernel": "MoE routing, Triton",  # where sorts, cats and gathers were
     "_sort_pairs_store": "MoE routing, Triton",  # its jit helper, inlined (no launch)
     "_route_pairs_kernel": "MoE routing, Triton",  # top-k, sigmoid and the sort
+    "_route_pairs_select": "MoE routing, Triton",  # its jit helper, inlined (no launch)
+    "_router_pairs_kernel": "MoE routing, Triton",  # the router's GEMM, top-k and the sort
     "_combine_kernel": "MoE routing, Triton",  # where a scatter and a sum over slots were
 }
 

@@ -92,7 +92,8 @@ def recorded(monkeypatch):
                          (norm_triton, "_rope_norm_kernel"),
                          (route_triton, "_sort_pairs_kernel"),
                          (route_triton, "_route_pairs_kernel"),
-                         (route_triton, "_combine_kernel")):
+                         (route_triton, "_combine_kernel"),
+                         (route_triton, "_router_pairs_kernel")):
         recorders[name] = Recorder(getattr(module, name))
         monkeypatch.setattr(module, name, recorders[name])
     return recorders
@@ -197,7 +198,8 @@ def test_every_kernel_of_the_package_is_compiled_here():
     assert found == {"_quantize_rows_kernel", "_fp8_splitk_kernel", "_grouped_gemm_kernel",
                      "_splitk_sum_kernel",
                      "_write_kv_kernel", "_add_rms_norm_kernel", "_rope_norm_kernel",
-                     "_sort_pairs_kernel", "_route_pairs_kernel", "_combine_kernel"}
+                     "_sort_pairs_kernel", "_route_pairs_kernel", "_combine_kernel",
+                     "_router_pairs_kernel"}
 
 
 def test_route_kernel(recorded):
@@ -223,3 +225,9 @@ def test_fused_routing_kernels(recorded):
         route_triton.combine_rows(torch.zeros(tokens * slots, 5120, dtype=BF16),
                                   torch.zeros(tokens * slots, dtype=torch.int64), tokens, slots)
     compile_all(recorded["_combine_kernel"], 2)
+    # the router's GEMM in the launch: bf16 rows of Scout's hidden size, 16 and 128 experts
+    for tokens, experts, shared, offset in ((1, 16, True, None), (64, 16, False, 5),
+                                            (8, 128, True, None)):
+        route_triton.route_pairs_from_x(torch.zeros(tokens, 5120, dtype=BF16),
+                                        torch.zeros(experts, 5120, dtype=BF16), shared, offset)
+    compile_all(recorded["_router_pairs_kernel"], 3)

@@ -268,3 +268,39 @@ def test_fused_routing_and_combine_on_the_gpu(tokens, shared, balanced, monkeypa
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(summed, expect) and torch.equal(summed_replayed, expect)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared-group"])
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+@torch.no_grad()
+def test_router_gemm_in_the_routing_launch_on_the_gpu(tokens, shared):
+    """route_triton.route_pairs_from_x (bf16 rows of Scout's hidden size, 16 experts)
+    against routing's torch path on cuBLAS's logits where no token's top two are within a
+    few bf16 units; eager and replayed from a CUDA graph alike, the ticket left zeroed."""
+    pytest.importorskip("triton")
+    from chunklocal.models import route_triton, routing
+
+    if tokens * (1 + shared) > route_triton.MAX_PAIRS:
+        pytest.skip("past the kernel's pairs")
+    gen = torch.Generator(device="cuda").manual_seed(100 + tokens)
+    x = torch.randn(tokens, 5120, device="cuda", generator=gen).to(BF16)
+    weight = (torch.randn(16, 5120, device="cuda", generator=gen) / 16).to(BF16)
+    logits = torch.nn.functional.linear(x, weight)
+    top2 = torch.topk(logits.float(), 2, dim=1).values
+    if bool((top2[:, 0] - top2[:, 1] < 4 * 2.0 ** -7 * top2[:, 0].abs()).any()):
+        pytest.skip("a near-tie: either expert is right")
+    expert = torch.topk(logits, 1, dim=1).indices
+    score = torch.sigmoid(logits.gather(1, expert).float()).to(BF16)
+    want = routing.sort_pairs_torch(expert, score, 16, shared)
+    got = route_triton.route_pairs_from_x(x, weight, shared)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = route_triton.route_pairs_from_x(x, weight, shared)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, g, r, w in zip(("order", "offs", "token"), got[:3], replayed[:3], want[:3],
+                             strict=True):
+        assert torch.equal(g, w) and torch.equal(r, w), name
+    ulps = (got[3].float() - want[3].float()).abs() / (2.0 ** -7 * want[3].float().abs())
+    assert float(ulps.max()) <= 2 and torch.equal(replayed[3], got[3]), ulps
+    assert not route_triton._ROUTER_COUNTERS[x.device].any()
