@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     import os
     os.environ["CHUNKLOCAL_MOE_ROUTE_TRITON"] = "1"
     import torch
-    from chunklocal.models import moe, route_triton, routing
+    from chunklocal.models import moe, moe_triton, route_triton, routing
     from chunklocal.models.route_triton import MAX_PAIRS, route_available, sort_pairs
 
     def pytest_raises(kind, text):
@@ -154,7 +154,7 @@ SCRIPT = textwrap.dedent("""
             for g, w in zip(got[:3], want[:3], strict=True):
                 assert torch.equal(g, w), (num_experts, hidden, shared, tokens, offset)
             torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)
-            assert not route_triton._ROUTER_COUNTERS[x.device].any()
+            assert not moe_triton._TILE_COUNTERS[x.device].any()
     with pytest_raises(ValueError, "route_pairs_from_x: a router (4, 8) for rows of 9"):
         route_triton.route_pairs_from_x(torch.zeros(2, 9), torch.zeros(4, 8), False)
     lin = torch.nn.Linear(8, 4, bias=False)

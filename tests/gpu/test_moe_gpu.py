@@ -278,7 +278,7 @@ def test_router_gemm_in_the_routing_launch_on_the_gpu(tokens, shared):
     against routing's torch path on cuBLAS's logits, with no near-tie to route either way;
     eager and replayed from a CUDA graph alike, the ticket left zeroed."""
     pytest.importorskip("triton")
-    from chunklocal.models import route_triton, routing
+    from chunklocal.models import moe_triton, route_triton, routing
 
     if tokens * (1 + shared) > route_triton.MAX_PAIRS:
         pytest.skip("past the kernel's pairs")
@@ -305,4 +305,4 @@ def test_router_gemm_in_the_routing_launch_on_the_gpu(tokens, shared):
         assert torch.equal(g, w) and torch.equal(r, w), name
     ulps = (got[3].float() - want[3].float()).abs() / (2.0 ** -7 * want[3].float().abs())
     assert float(ulps.max()) <= 2 and torch.equal(replayed[3], got[3]), ulps
-    assert not route_triton._ROUTER_COUNTERS[x.device].any()
+    assert not moe_triton._TILE_COUNTERS[x.device].any()

@@ -349,7 +349,7 @@ class MoE(nn.Module):
         return out
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
-        tokens, hidden = x.shape
+        tokens = x.shape[0]
         ex, num_groups = self.experts, self.num_local
         fused = self.stacked and tokens <= self.fuse_max_tokens
         slots = self.top_k + int(fused)
@@ -394,12 +394,7 @@ class MoE(nn.Module):
         del gate_up
         rows = expert_mm(inner, w2, offs, s2, small, ub, split)
         del inner
-        if elsewhere is None:
-            routed = routing.combine(rows, order, rank, tokens, slots)
-        else:  # rows past the last group are unspecified: dropped before the sum
-            per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
-            per_slot = per_slot.masked_fill(elsewhere.reshape(-1, 1), 0)
-            routed = per_slot.view(tokens, slots, hidden).sum(1) if slots > 1 else per_slot
+        routed = routing.combine(rows, order, rank, tokens, slots, elsewhere)
         del rows
         out = routed if fused else self._shared(x) + routed
         return self.tp.all_reduce(out) if self.tp.size > 1 else out

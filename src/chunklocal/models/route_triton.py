@@ -43,6 +43,7 @@ import os
 
 import torch
 
+from chunklocal.models.moe_triton import tile_counters
 from chunklocal.models.quant_triton import available, triton
 
 if triton is not None:
@@ -78,7 +79,6 @@ COMBINE_BLOCK = 1024  # hidden elements per combine program
 #: last place and a near-tie route the other way.  Off until an A/B measures it.
 ROUTER_IN_KERNEL = os.environ.get("CHUNKLOCAL_MOE_ROUTER_IN_KERNEL", "0") == "1"
 ROUTER_BLOCK_K = 128  # hidden elements per program (Scout: 40 programs)
-_ROUTER_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def max_pairs(groups: int) -> int:
@@ -195,10 +195,8 @@ def route_pairs_from_x(x: torch.Tensor, weight: torch.Tensor, shared: bool,
     out = _outputs(pairs, groups, x.dtype, x.device)
     splits = triton.cdiv(hidden, ROUTER_BLOCK_K)
     part = torch.empty(splits, tokens, num_experts, dtype=torch.float32, device=x.device)
-    counter = _ROUTER_COUNTERS.get(x.device)
-    if counter is None:  # one zeroed ticket, left zeroed by every call (one stream at a time)
-        counter = _ROUTER_COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32,
-                                                           device=x.device)
+    # moe_triton's zeroed ticket counters, which every call leaves zeroed (one stream)
+    counter = tile_counters(x.device, 1)
     if tokens:
         _router_pairs_kernel[(splits,)](
             x, weight, part, counter, *out, tokens, hidden, pairs, num_experts, groups,

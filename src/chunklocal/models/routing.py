@@ -66,9 +66,14 @@ def simulated_experts(logits: torch.Tensor, top_k: int, strategy: str) -> torch.
     tokens, num_experts = logits.shape
     if strategy == "uniform_random":
         return torch.randint(num_experts, (tokens, top_k), device=logits.device)
-    _SIMULATED_CALLS[0] += 1
     pairs = torch.arange(tokens * top_k, device=logits.device).view(tokens, top_k)
-    return (pairs + _SIMULATED_CALLS[0]) % num_experts
+    return (pairs + _balanced_rotation()) % num_experts
+
+
+def _balanced_rotation() -> int:
+    """"balanced": this MoE call's shift, one more than the last call's."""
+    _SIMULATED_CALLS[0] += 1
+    return _SIMULATED_CALLS[0]
 
 
 def sort_by_expert(expert: torch.Tensor, num_groups: int):
@@ -119,10 +124,8 @@ def pairs(x: torch.Tensor, router, top_k: int, num_groups: int, shared: bool) ->
     if top_k == 1 and ROUTING_SIMULATION != "uniform_random" \
             and num_groups <= route_triton.MAX_EXPERTS \
             and route_triton.fused_available(x, count, groups):
-        offset = None
-        if ROUTING_SIMULATION == "balanced":  # the rotation, as simulated_experts turns it
-            _SIMULATED_CALLS[0] += 1
-            offset = _SIMULATED_CALLS[0] % num_groups
+        offset = (_balanced_rotation() % num_groups if ROUTING_SIMULATION == "balanced"
+                  else None)
         weight = route_triton.router_weight(x, router)
         if weight is not None:  # the router's GEMM in the same launch
             return route_triton.route_pairs_from_x(x, weight, shared, offset)
@@ -135,11 +138,14 @@ def pairs(x: torch.Tensor, router, top_k: int, num_groups: int, shared: bool) ->
 
 
 def combine(rows: torch.Tensor, order: torch.Tensor, rank: torch.Tensor | None,
-            tokens: int, slots: int) -> torch.Tensor:
+            tokens: int, slots: int, drop: torch.Tensor | None = None) -> torch.Tensor:
     """``[tokens, H]``: each token's ``slots`` expert outputs added up, ``rows [P, H]`` in
     expert order (row ``i`` is pair ``order[i]``).  One kernel with ``rank`` where it runs
-    (route_triton.combine_rows); else a scatter back to pair order and a sum over slots."""
-    if rank is not None and route_triton.combine_available(rows):
+    (route_triton.combine_rows); else a scatter back to pair order and a sum over slots.
+    ``drop [T, slots]``: pairs whose rows are unspecified (another rank's experts), zero."""
+    if rank is not None and drop is None and route_triton.combine_available(rows):
         return route_triton.combine_rows(rows, rank, tokens, slots)
     per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
+    if drop is not None:
+        per_slot = per_slot.masked_fill(drop.reshape(-1, 1), 0)
     return per_slot.view(tokens, slots, -1).sum(1) if slots > 1 else per_slot
