@@ -242,7 +242,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, freqs_cis: torch.Tensor,
     import chunklocal.models.norm_triton as norm_triton
 
     t, hq, d = q.shape
-    # (one token: its stride is not compared, reshape may give either view another)
+    # with one token the token stride means nothing (reshape may give the views different ones)
     if (norm_triton.rope_available(q) and k.dim() == 3 and k.shape[0] == t
             and k.shape[2] == d and k.stride()[1:] == q.stride()[1:]
             and (t == 1 or k.stride(0) == q.stride(0)) and k.dtype == q.dtype
