@@ -66,7 +66,7 @@ def run_in_interpreter(script: str) -> None:
                    "CHUNKLOCAL_MOE_SILU_QUANT", "CHUNKLOCAL_FP8_QUANT_ONE_PASS",
                    "CHUNKLOCAL_FP8_SPLITK_SUM", "CHUNKLOCAL_MOE_ROUTE_TRITON",
                    "CHUNKLOCAL_MOE_ROUTE_FUSED", "CHUNKLOCAL_MOE_ROUTE_WIDE",
-                   "CHUNKLOCAL_MOE_ROUTER_IN_KERNEL"):
+                   "CHUNKLOCAL_MOE_ROUTER_IN_KERNEL", "CHUNKLOCAL_FP8_GEMV"):
         env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
@@ -286,6 +286,115 @@ def test_fp8_kernel_launches_only_routed_experts():
     serving the j-th expert with rows, the last expert included, with and without the
     in-kernel sum; a step where no expert has rows leaves the counters zeroed."""
     run_in_interpreter(FEW_ROWS_SCRIPT)
+
+
+GEMV_SCRIPT = textwrap.dedent("""
+    import torch
+    from test_moe import hf_moe, ours_from
+    from torch import nn
+    from chunklocal.models import gemv_triton, moe_triton
+    from chunklocal.models.moe import expert_mm
+    from chunklocal.models.quant import FP8, dequantize, fp8_linear, quantize_per_token
+
+    assert not gemv_triton.GEMV_ENABLED  # off by default (CHUNKLOCAL_FP8_GEMV=1 turns it on)
+    gen = torch.Generator().manual_seed(5)
+
+    def rows_like_fp8(m, k):
+        # exactly quantizable rows (see FP8_SCRIPT: the interpreter's e4m3 cast)
+        x = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(FP8).float()
+        x[:, 0] = 448.0
+        return x * 2.0 ** torch.randint(-6, 6, (m, 1), generator=gen).float()
+
+    def check(got, x, w, w_scale, experts):
+        xq, scale = quantize_per_token(x, None)
+        xd, wd = xq.double() * scale.double(), dequantize(w, w_scale).double()[experts]
+        want = torch.einsum("mk,mnk->mn", xd, wd)
+        mag = torch.einsum("mk,mnk->mn", xd.abs(), wd.abs())
+        err = float(((got.double() - want).abs() / (mag + 1e-30)).max())
+        assert err < 2.0 ** -12, err
+
+    # N = 40 and K = 100 are no multiples of the tiles (masked), K = 96 is (unmasked)
+    for e, n, k in ((5, 40, 100), (5, 48, 96)):
+        w = (torch.randn(e, n, k, generator=gen) * 0.5).to(FP8)
+        w_scale = torch.rand(e, n, generator=gen) + 0.5
+        # groups of 0, 1, 2, 3 and 5 rows; the bound group_rows smaller than a group (2
+        # rows a pass over 5 rows) is still right, only slower
+        for ends, group_rows in (([0, 1, 1, 1, 1], 1), ([1, 1, 2, 2, 2], 1),
+                                 ([2, 2, 2, 3, 5], 2), ([0, 3, 3, 8, 11], 4),
+                                 ([5, 5, 5, 5, 5], 1), ([0, 0, 0, 0, 0], 1)):
+            offs = torch.tensor(ends, dtype=torch.int32)
+            m = max(ends[-1], 1)
+            x = rows_like_fp8(m, k)
+            experts = torch.repeat_interleave(torch.arange(e), torch.diff(offs, prepend=offs[:1] * 0))
+            for tile in ({}, dict(block_n=8, block_k=32, num_warps=2)):
+                xq, xs = quantize_per_token(x, None)
+                got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w, w_scale, offs,
+                                           group_rows, **tile)
+                assert got.shape == (m, n) and got.dtype == torch.float32
+                if ends[-1]:  # else a row past offs[-1], unspecified
+                    check(got[:ends[-1]], x[:ends[-1]], w, w_scale, experts)
+            # through fp8_grouped_mm_small: the GEMV where the bound is small enough
+            split = moe_triton.fp8_grouped_mm_small(x, w, w_scale, offs, gemv=False)
+            gemv = moe_triton.fp8_grouped_mm_small(x, w, w_scale, offs, gemv=True,
+                                                   group_rows=group_rows)
+            if ends[-1]:
+                err = float((gemv[:ends[-1]] - split[:ends[-1]]).abs().max()
+                            / split[:ends[-1]].abs().max())
+                assert err < 2.0 ** -12, (ends, err)
+        # a dense layer: one group, no offsets, its rows at most MAX_ROWS
+        x = rows_like_fp8(3, k)
+        xq, xs = quantize_per_token(x, None)
+        got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w[1:2], w_scale[1:2], None, 3)
+        check(got, x, w, w_scale, torch.full((3,), 1))
+
+    # dispatch: with the switch on, groups of at most MAX_ROWS rows take the GEMV, the
+    # MoE layer's bound being its tokens; a dense layer's its rows
+    assert gemv_triton.rows_per_pass(1) == 1 and gemv_triton.rows_per_pass(3) == 4
+    assert gemv_triton.rows_per_pass(9) == gemv_triton.MAX_ROWS
+    calls, real = [], gemv_triton.fp8_gemv
+    gemv_triton.fp8_gemv = lambda *a, **kw: calls.append(a[6]) or real(*a, **kw)
+    x = rows_like_fp8(6, 96)
+    offs = torch.tensor([1, 1, 3, 3, 6], dtype=torch.int32)
+    expert_mm(x, w, offs, w_scale, small_m=True, group_rows=3)
+    assert calls == [], calls  # off by default
+    gemv_triton.GEMV_ENABLED = True
+    expert_mm(x, w, offs, w_scale, small_m=True, group_rows=3)
+    expert_mm(x, w, offs, w_scale, small_m=True, group_rows=5)  # past MAX_ROWS: split-K
+    expert_mm(x, w, offs, w_scale, small_m=True)  # no bound: M = 6 rows, split-K
+    fp8_linear(x[:4], w[2], w_scale[2])
+    fp8_linear(x[:5], w[2], w_scale[2])
+    assert calls == [3, 4], calls
+
+    # the FP8 MoE layer at 1 and 3 tokens: the GEMV's output against the split-K kernel's
+    moe = ours_from(hf_moe(16, 1, seed=3))
+    ex = moe.experts
+    for name in ("w13", "w2"):
+        wt = getattr(ex, name).data
+        scale = wt.abs().amax(-1).clamp(min=1e-6) / 448.0
+        setattr(ex, name, nn.Parameter((wt / scale[..., None]).to(FP8), requires_grad=False))
+        setattr(ex, name + "_scale", scale.float())
+    moe.triton_max_pairs = 10**6
+    for tokens in (1, 3):
+        h = torch.randn(tokens, 16, generator=gen)
+        calls.clear()
+        with torch.no_grad():
+            gemv_triton.GEMV_ENABLED = False
+            want = moe(h)
+            gemv_triton.GEMV_ENABLED = True
+            got = moe(h)
+        assert calls == [tokens, tokens], calls  # w13 and w2
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 2.0 ** -10, (tokens, err)
+    print("ok")
+""")
+
+
+def test_fp8_gemv_in_interpreter():
+    """gemv_triton.fp8_gemv (off by default): groups of 0-5 rows, the rows-per-pass bound
+    smaller than a group, masked and unmasked tiles, the dense form, against float64 on
+    the quantized rows and against the split-K kernel; the dispatch of fp8_grouped_mm_small
+    (the MoE layer's bound is its tokens) and the FP8 MoE layer with it on against off."""
+    run_in_interpreter(GEMV_SCRIPT)
 
 
 GATHER_QUANT_SCRIPT = textwrap.dedent("""

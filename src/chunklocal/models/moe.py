@@ -108,7 +108,8 @@ def silu_quant_available(gate_up: torch.Tensor, w: torch.Tensor, act: nn.Module,
 
 def expert_mm(x: torch.Tensor | QuantRows, w: torch.Tensor, offs: torch.Tensor,
               w_scale: torch.Tensor | None = None, small_m: bool = False,
-              act_scale_ub: float | None = None, amax_reduce=None) -> torch.Tensor:
+              act_scale_ub: float | None = None, amax_reduce=None,
+              group_rows: int | None = None) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e].T`` (``w [E, N, K]``) -> [M, N].
 
     float8 weights with per-output-channel ``w_scale [E, N]`` go to
@@ -129,7 +130,8 @@ def expert_mm(x: torch.Tensor | QuantRows, w: torch.Tensor, offs: torch.Tensor,
             import chunklocal.models.moe_triton as moe_triton
 
             if moe_triton.fp8_available(x):
-                return moe_triton.fp8_grouped_mm_small(x, w, w_scale, offs, act_scale_ub)
+                return moe_triton.fp8_grouped_mm_small(x, w, w_scale, offs, act_scale_ub,
+                                                       group_rows=group_rows)
         # act_scale_ub: fbgemm_fp8's cap on a token's activation amax (models/quant.py);
         # amax_reduce: tensor parallel, rows hold one rank's slice of the inner size
         if act_scale_ub is None and amax_reduce is None:
@@ -381,7 +383,8 @@ class MoE(nn.Module):
             routed_in = QuantRows(*quantize_rows(x, ub, token, pair_score), x.dtype)
         else:
             routed_in = x[token] * pair_score.view(-1, 1)
-        gate_up = expert_mm(routed_in, w13, offs, s13, small, ub)
+        # a group holds at most one pair of each token (top-k experts are distinct)
+        gate_up = expert_mm(routed_in, w13, offs, s13, small, ub, group_rows=tokens)
         del routed_in
         # "tp": each rank holds a slice of every pair's w2 input (routing is the same on
         # every rank, so row i is the same pair everywhere): FP8 scales it by its full amax
@@ -392,7 +395,7 @@ class MoE(nn.Module):
         else:
             inner = gated_act(gate_up, self.act)
         del gate_up
-        rows = expert_mm(inner, w2, offs, s2, small, ub, split)
+        rows = expert_mm(inner, w2, offs, s2, small, ub, split, group_rows=tokens)
         del inner
         routed = routing.combine(rows, order, rank, tokens, slots, elsewhere)
         del rows

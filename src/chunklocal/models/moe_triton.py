@@ -28,10 +28,14 @@ import os
 import torch
 
 from chunklocal._validate import cdiv
+from chunklocal.models import gemv_triton
+from chunklocal.models.gemv_triton import routed_slots
 from chunklocal.models.quant_triton import QuantRows, available, quantize_rows, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from chunklocal.models.gemv_triton import group_span
 
 #: The FP8 kernel's switch, read at import; ``CHUNKLOCAL_FP8_TRITON=0`` turns it off (FP8
 #: layers of every size then go through torch's ``_scaled_mm`` / ``_scaled_grouped_mm``).
@@ -99,25 +103,8 @@ if triton is not None:
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         slot = tl.program_id(2)  # ROUTED_SLOTS: the slot-th expert with rows, else expert slot
-        if HAS_OFFS and ROUTED_SLOTS:
-            es = tl.arange(0, EXPERTS_POW2)
-            e_ok = es < num_experts
-            ends = tl.load(offs_ptr + es, mask=e_ok, other=0)
-            starts = tl.load(offs_ptr + es - 1, mask=e_ok & (es > 0), other=0)
-            routed = e_ok & (ends > starts)
-            hit = routed & (tl.cumsum(routed.to(tl.int32), 0) == slot + 1)
-            # no hit (fewer routed experts than slots): start == end == 0, nothing is read
-            expert = tl.sum(tl.where(hit, es, 0), 0)
-            end = tl.sum(tl.where(hit, ends, 0), 0)
-            start = tl.sum(tl.where(hit, starts, 0), 0)
-        elif HAS_OFFS:
-            expert = slot
-            end = tl.load(offs_ptr + expert)
-            start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
-        else:  # one group of every row (a dense layer): no offsets tensor to make
-            expert = slot
-            end = num_rows
-            start = 0
+        expert, start, end = group_span(offs_ptr, slot, num_rows, num_experts, HAS_OFFS,
+                                        ROUTED_SLOTS, EXPERTS_POW2)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         ks = tl.arange(0, BLOCK_K)
@@ -193,18 +180,6 @@ def split_k_for(num_rows: int, num_experts: int, n_dim: int, k_dim: int, block_n
     return max(1, min(cdiv(PROGRAMS_PER_SM * sm_count, tiles), cdiv(k_dim, block_k)))
 
 
-def routed_slots(num_rows: int, num_experts: int) -> int:
-    """The FP8 kernel's third grid dimension: one slot per expert that can have rows.  M
-    rows reach at most ``min(E, M)`` experts, so a program of slot j serves the j-th expert
-    with rows (a prefix sum over ``offs`` in the kernel) and no program is launched for the
-    experts a small step leaves empty.  One slot per expert (the kernel's first grid)
-    launched ``E - 1`` slabs of empty programs at a batch-1 step, each wave holding SM
-    shared memory while it read ``offs`` and returned: the routed w13 GEMM ran at 52% of
-    the copy rate where the dense gate/up of half its bytes ran at 62% (BENCHMARKS.md,
-    fourteenth session).  At least one slot: a step of no rows still launches a grid."""
-    return max(1, min(num_experts, num_rows))
-
-
 #: Whether the FP8 kernel's grid has :func:`routed_slots` expert slots (on) or one per
 #: expert.  Written after the fourteenth session's device time: off until an H200 run
 #: measures it (``CHUNKLOCAL_FP8_ROUTED_SLOTS=1``; tests/gpu/test_fp8_triton_gpu.py).
@@ -269,7 +244,9 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
                          split_k: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None,
                          reduce_in_kernel: bool | None = None,
-                         routed_slots_in_kernel: bool | None = None) -> torch.Tensor:
+                         routed_slots_in_kernel: bool | None = None,
+                         group_rows: int | None = None, gemv: bool | None = None
+                         ) -> torch.Tensor:
     """What :func:`chunklocal.models.quant.fp8_grouped_mm` computes (per-token dynamic
     activation scales, capped at ``scale_ub``): ``x [M, K]`` bf16 rows sorted by expert,
     ``w [E, N, K]`` float8_e4m3fn, ``w_scale [E, N]`` float32, ``offs`` int32 [E] group ends
@@ -288,7 +265,13 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
     tile and its pipeline, each None taken from :func:`tile_for` (benchmarks/fp8_small_m.py
     ``--tune`` times the choices).  ``x``
     may come quantized (:class:`quant_triton.QuantRows`: the first
-    step done already, ``scale_ub`` with it)."""
+    step done already, ``scale_ub`` with it).
+
+    ``group_rows`` bounds the rows of any one group (None: M; the MoE layer passes its
+    tokens, a group having at most one row per token): where it is at most
+    ``gemv_triton.MAX_ROWS`` and :data:`gemv_triton.GEMV_ENABLED` (``gemv`` overrides it),
+    the GEMM runs as :func:`gemv_triton.fp8_gemv` instead (the tile keywords are then
+    the split-K kernel's and unused)."""
     if triton is None:
         raise RuntimeError("fp8_grouped_mm_small needs Triton")
     if isinstance(x, QuantRows):
@@ -298,6 +281,9 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
             raise ValueError("fp8_grouped_mm_small needs x contiguous along K")
         (xq, x_scale), dtype = quantize_rows(x, scale_ub), x.dtype
     num_rows, k_dim = xq.shape
+    group_rows = num_rows if group_rows is None else group_rows
+    if gemv_triton.takes(group_rows, gemv):
+        return gemv_triton.fp8_gemv(xq, x_scale, dtype, w, w_scale, offs, group_rows)
     num_experts, n_dim, _ = w.shape
     if xq.stride(1) != 1 or w.stride(2) != 1 or w_scale.stride(1) != 1:
         raise ValueError("fp8_grouped_mm_small needs x, w and w_scale contiguous along K / N")
