@@ -25,12 +25,14 @@ Two parts, one run (GPU):
 
     python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
         [--engine-paths unfused torch quant triton defaults tail reduce slots slots_reduce]
-        [--sweep 1 16 64] [--tune 1 16]
+        [--sweep 1 16 64] [--tune 1 16] [--gemv-tune 1 2 4 16 32]
 
 ``--sweep`` times the split-K kernel's tile width and split choices; ``--tune`` its tile
 width, K-step, warps and pipeline stages (``TUNE``) at the automatic split, each row with
 the fastest choice and its speed-up over the defaults (a choice that does not fit the
-SM's shared memory is recorded as such and skipped).
+SM's shared memory is recorded as such and skipped); ``--gemv-tune`` times
+``gemv_triton.fp8_gemv``'s tiles (``GEMV_TUNE``) beside the split-K kernel where every
+group has at most ``gemv_triton.MAX_ROWS`` rows.
 """
 
 from __future__ import annotations
@@ -255,6 +257,48 @@ def tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
         save()
 
 
+#: (block_n, block_k, num_warps) of ``gemv_triton.fp8_gemv`` that ``--gemv-tune`` times
+#: (the first per rows-per-pass is ``gemv_triton.DEFAULT_TILES``').
+GEMV_TUNE = [(16, 512, 4), (16, 256, 4), (8, 256, 4), (16, 512, 8), (32, 512, 8),
+             (8, 512, 2), (8, 1024, 4), (16, 1024, 8), (32, 256, 4), (4, 1024, 2),
+             (64, 256, 8), (32, 1024, 8)]
+
+
+def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
+    """``gemv_triton.fp8_gemv`` (rows quantized by ``quant_triton``'s kernel first, as
+    ``fp8_grouped_mm_small`` does) at each GEMV_TUNE tile beside the split-K kernel at its
+    default and tuned tiles, Scout's four shapes at ``ms`` rows (spread round-robin over
+    the experts: a group holds ``ceil(m / 16)``) where a group holds at most
+    ``gemv_triton.MAX_ROWS``; per row the fastest GEMV tile and the split-K default over
+    it, saved row by row."""
+    from chunklocal.models import gemv_triton, moe_triton
+    from chunklocal.models.quant_triton import quantize_rows
+
+    configs = GEMV_TUNE[:2] if smoke else GEMV_TUNE
+    for name, m, x, w, s, offs, nbytes in scout_cells(device, ms, smoke):
+        group_rows = m if offs is None else -(-m // w.shape[0])
+        if group_rows > gemv_triton.MAX_ROWS:
+            continue
+        tile = tuned(offs is not None, *w.shape[1:])
+        paths = {"split": lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
+                     x, w, s, o, gemv=False),
+                 "split_tuned": lambda x=x, w=w, s=s, o=offs, t=tile:
+                     moe_triton.fp8_grouped_mm_small(x, w, s, o, gemv=False, **t)}
+        for bn, bk, warps in configs:
+            def fn(x=x, w=w, s=s, o=offs, bn=bn, bk=bk, warps=warps, g=group_rows):
+                xq, xs = quantize_rows(x)
+                return gemv_triton.fp8_gemv(xq, xs, x.dtype, w, s, o, g, block_n=bn,
+                                            block_k=bk, num_warps=warps)
+            paths[f"gemv_bn{bn}_bk{bk}_w{warps}"] = fn
+        row = cell(name, m, nbytes, paths, device, copy_rate)
+        gemvs = {label: row[f"{label}_us"] for label in paths if label.startswith("gemv")}
+        best = min(gemvs, key=gemvs.get)
+        row.update(group_rows=group_rows, best=best, best_share=row[f"{best}_share"],
+                   split_over_best=row["split_us"] / gemvs[best])
+        rows.append(row)
+        save()
+
+
 #: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel, the
 #: elementwise-tail kernels of models/norm_triton.py, the FP8 kernel adding its K-slices
 #: itself: moe_triton.SPLITK_REDUCE_IN_KERNEL, its grid of routed experts only:
@@ -334,6 +378,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tune", type=int, nargs="*", default=None, metavar="ROWS",
                         help="also time the split-K kernel at every TUNE tile, K-step, "
                              "warps and stages choice for these row counts (e.g. --tune 1 16)")
+    parser.add_argument("--gemv-tune", type=int, nargs="*", default=None, metavar="ROWS",
+                        help="also time gemv_triton.fp8_gemv at every GEMV_TUNE tile beside "
+                             "the split-K kernel for these row counts (e.g. --gemv-tune 1 2 4)")
     parser.add_argument("--engine-paths", nargs="+", choices=sorted(ENGINE_PATHS),
                         default=["defaults", "tail"],
                         help="engine variants, in order (ENGINE_PATHS): unfused projections, "
@@ -361,6 +408,10 @@ def main(argv=None) -> int:
     if args.tune and moe_triton_available(device):
         payload["tune"] = []
         tune_rows(payload["tune"], device, copy_rate, args.tune, args.smoke, save)
+    if args.gemv_tune and moe_triton_available(device):
+        payload["gemv_tune"] = []
+        gemv_tune_rows(payload["gemv_tune"], device, copy_rate, args.gemv_tune, args.smoke,
+                       save)
     if device.type == "cuda" and args.engine_batches:
         from benchmarks.common import measure_matmul_flops
 

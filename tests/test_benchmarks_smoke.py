@@ -197,7 +197,8 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
 
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "benchmarks.fp8_small_m", "--smoke",
-                          "--sweep", "2", "--tune", "2", "--engine-batches", "--out",
+                          "--sweep", "2", "--tune", "2", "--gemv-tune", "2", "5",
+                          "--engine-batches", "--out",
                           str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).resolve().parent.parent)
@@ -218,6 +219,14 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
     assert {"tiles_us", "torch_over_tiles"} <= set(data["kernels"][0])
     assert all(f"{lab}_us" in r for r in tune for lab in labels)
     assert all(r["best"] in labels and r["unfit"] == [] for r in tune)
+    # --gemv-tune: every shape at 2 rows; at 5 only the experts (1 row a group), a dense
+    # layer's 5 rows being past gemv_triton.MAX_ROWS
+    gemv = data["gemv_tune"]
+    assert [(r["gemm"], r["rows"], r["group_rows"]) for r in gemv] == [
+        ("dense gate_up", 2, 2), ("dense down", 2, 2), ("experts w13", 2, 1),
+        ("experts w13", 5, 1), ("experts w2", 2, 1), ("experts w2", 5, 1)]
+    assert all({"split_us", "split_tuned_us", "split_over_best"} <= set(r) and
+               r["best"].startswith("gemv_bn") for r in gemv)
 
 
 def test_gc_pauses_smoke(tmp_path, monkeypatch):

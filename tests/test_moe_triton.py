@@ -325,7 +325,8 @@ GEMV_SCRIPT = textwrap.dedent("""
             offs = torch.tensor(ends, dtype=torch.int32)
             m = max(ends[-1], 1)
             x = rows_like_fp8(m, k)
-            experts = torch.repeat_interleave(torch.arange(e), torch.diff(offs, prepend=offs[:1] * 0))
+            sizes = torch.diff(offs, prepend=offs[:1] * 0)
+            experts = torch.repeat_interleave(torch.arange(e), sizes)
             for tile in ({}, dict(block_n=8, block_k=32, num_warps=2)):
                 xq, xs = quantize_per_token(x, None)
                 got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w, w_scale, offs,

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from chunklocal.models import (  # noqa: E402
+    gemv_triton,
     kv_write_triton,
     moe_triton,
     norm_triton,
@@ -85,6 +86,7 @@ def recorded(monkeypatch):
     recorders = {}
     for module, name in ((quant_triton, "_quantize_rows_kernel"),
                          (moe_triton, "_fp8_splitk_kernel"),
+                         (gemv_triton, "_fp8_gemv_kernel"),
                          (moe_triton, "_grouped_gemm_kernel"),
                          (moe_triton, "_splitk_sum_kernel"),
                          (kv_write_triton, "_write_kv_kernel"),
@@ -149,6 +151,30 @@ def test_fp8_split_k_kernel_every_form(recorded, reduce, slots):
     compile_all(recorded["_quantize_rows_kernel"], 2)
 
 
+def test_fp8_gemv_kernel_every_form(recorded):
+    """The GEMV at 1, 2 and 4 rows a pass on Scout's expert shapes (17 groups with the
+    shared one), through fp8_grouped_mm_small's dispatch with rows quantized by the kernel
+    or coming quantized, a masked tile, and the dense form."""
+    from chunklocal.models.quant_triton import QuantRows
+
+    for n, k in ((16384, 5120), (5120, 8192)):
+        w, scale = torch.zeros(17, n, k, dtype=FP8), torch.ones(17, n)
+        for tokens in (1, 2, 4):
+            offs = torch.full((17,), 2 * tokens, dtype=torch.int32)
+            moe_triton.fp8_grouped_mm_small(torch.zeros(2 * tokens, k, dtype=BF16), w, scale,
+                                            offs, gemv=True, group_rows=tokens)
+    rows = QuantRows(torch.zeros(2, 5120, dtype=FP8), torch.ones(2, 1), BF16)
+    moe_triton.fp8_grouped_mm_small(rows, w[:, :, :5120], scale, offs, gemv=True,
+                                    group_rows=1)
+    gemv_triton.fp8_gemv(rows.q[:, :5000], rows.scale, BF16, torch.zeros(1, 200, 5000,
+                         dtype=FP8), torch.ones(1, 200), None, 2)
+    launches = recorded["_fp8_gemv_kernel"].launches
+    assert [kw["ROWS"] for _, _, kw in launches] == [1, 2, 4, 1, 2, 4, 1, 2]
+    assert [kw["EVEN_K"] for _, _, kw in launches][-1] is False
+    assert recorded["_fp8_splitk_kernel"].launches == []
+    compile_all(recorded["_fp8_gemv_kernel"], 8)
+
+
 def test_split_k_sum_kernel(recorded):
     moe_triton.splitk_sum(torch.zeros(4, 1, 5120), BF16)
     compile_all(recorded["_splitk_sum_kernel"], 1)
@@ -196,6 +222,7 @@ def test_every_kernel_of_the_package_is_compiled_here():
                     "triton.jit" in ast.unparse(d) for d in node.decorator_list):
                 found.add(node.name)
     assert found == {"_quantize_rows_kernel", "_fp8_splitk_kernel", "_grouped_gemm_kernel",
+                     "_fp8_gemv_kernel",
                      "_splitk_sum_kernel",
                      "_write_kv_kernel", "_add_rms_norm_kernel", "_rope_norm_kernel",
                      "_sort_pairs_kernel", "_route_pairs_kernel", "_combine_kernel",

@@ -13,9 +13,10 @@ twentieth session).
 the whole of K) of one group's weights: enough programs at any batch to fill every SM
 (w2: 5120 / 16 = 320 per group) without splitting K, so no partials, no sum, no cast.
 Each program streams its slab in ``BLOCK_K`` steps, converts the e4m3 bytes to float32 and
-multiplies them with up to ``ROWS`` of the group's rows at a time (the rows' e4m3 values,
-float32 products exact), accumulating elementwise in registers and reducing along K once
-at the end; then both scales, one rounding to x's dtype.  A group with more than ``ROWS``
+multiplies them with up to ``ROWS`` (1, 2 or 4) of the group's rows at a time (the rows'
+e4m3 values, float32 products exact), accumulating elementwise in registers, one
+accumulator a row, and reducing along K once at the end; then both scales, one rounding to
+x's dtype.  A group with more than ``ROWS``
 rows takes its rows ``ROWS`` at a time, re-reading its slab (from L2: one program's slab
 is 80-128 KB).  The grid holds one slot per group that can have rows
 (:func:`routed_slots`); slot j finds the j-th group with rows by a prefix sum over
@@ -43,8 +44,8 @@ if triton is not None:
 GEMV_ENABLED = os.environ.get("CHUNKLOCAL_FP8_GEMV", "0") == "1"
 #: Most rows of one group the GEMV takes (a batch of 4 tokens: the shared group has 4).
 MAX_ROWS = 4
-#: ``rows per pass -> (block_n, block_k, num_warps)``: the elementwise accumulator holds
-#: ``rows x block_n x block_k`` float32 values, 64 a thread at these tiles.
+#: ``rows per pass -> (block_n, block_k, num_warps)``: each row's elementwise accumulator
+#: holds ``block_n x block_k`` float32 values: 64 a thread at one row, 32 at two, 16 at four.
 DEFAULT_TILES = {1: (16, 512, 4), 2: (16, 256, 4), 4: (8, 256, 4)}
 
 
@@ -82,11 +83,29 @@ if triton is not None:
             expert = slot
             end = tl.load(offs_ptr + expert)
             start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
-        else:
+        else:  # tensors, as the other forms' (the interpreter's loop bounds and masks)
             expert = slot
-            end = num_rows
-            start = 0
+            start = slot * 0
+            end = start + num_rows
         return expert, start, end
+
+    @triton.jit
+    def _row_product(acc, wk, x_row, k2d, ok, k_ok, EVEN_K: tl.constexpr):
+        """``acc + wk * x`` for one row, its bytes loaded as ``[BLOCK_N, BLOCK_K]`` (each
+        column's K-slice again: L1 hits) so that they arrive in the weights' layout, with
+        no shared-memory exchange between the loads and the products."""
+        if EVEN_K:
+            xk = tl.load(x_row + k2d, mask=ok[:, None], other=0.0)
+        else:
+            xk = tl.load(x_row + k2d, mask=ok[:, None] & k_ok, other=0.0)
+        return acc + wk * xk.to(tl.float32)
+
+    @triton.jit
+    def _row_store(acc, x_scale_ptr, out_row, w_scale, cols, col_ok, ok):
+        """One row's sums along K, both scales, one rounding to the output's dtype."""
+        total = tl.sum(acc, axis=1) * tl.load(x_scale_ptr + ok * 0, mask=ok, other=0.0) \
+            * w_scale
+        tl.store(out_row + cols, total.to(out_row.dtype.element_ty), mask=col_ok & ok)
 
     # num_rows (the batch) varies per call: no recompiles for it
     @triton.jit(do_not_specialize=["num_rows"])
@@ -104,31 +123,46 @@ if triton is not None:
         ks = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
         w_scale = tl.load(ws_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)
-        rs = tl.arange(0, ROWS)
+        zero_n = (cols * 0)[:, None]  # the rows' K offsets repeated down the tile's columns
         for m0 in range(start, end, ROWS):
-            rows = m0 + rs
-            row_ok = rows < end
-            x_rows = xq_ptr + rows[:, None].to(tl.int64) * stride_xm
-            acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+            # up to four rows a pass, one accumulator each (only ROWS of them exist); row
+            # r's mask as a [BLOCK_N] block (constant down it)
+            row_n = cols * 0 + m0
+            x0 = xq_ptr + tl.cast(m0, tl.int64) * stride_xm
+            acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            if ROWS > 1:
+                acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            if ROWS > 2:
+                acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + ks
+                k2d = zero_n + k[None, :]
+                k_ok = k2d < K
                 if EVEN_N and EVEN_K:
                     wk = tl.load(w_rows + k[None, :])
                 else:
-                    wk = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :],
-                                 other=0.0)
-                if EVEN_K:
-                    xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None], other=0.0)
-                else:
-                    xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :],
-                                 other=0.0)
-                acc += wk.to(tl.float32)[None, :, :] * xk.to(tl.float32)[:, None, :]
-            total = tl.sum(acc, axis=2)
-            x_scale = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
-            total = total * x_scale[:, None] * w_scale[None, :]
-            out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-            tl.store(out, total.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & col_ok[None, :])
+                    wk = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok, other=0.0)
+                wk = wk.to(tl.float32)
+                acc0 = _row_product(acc0, wk, x0, k2d, row_n < end, k_ok, EVEN_K)
+                if ROWS > 1:
+                    acc1 = _row_product(acc1, wk, x0 + stride_xm, k2d, row_n + 1 < end, k_ok,
+                                        EVEN_K)
+                if ROWS > 2:
+                    acc2 = _row_product(acc2, wk, x0 + 2 * stride_xm, k2d, row_n + 2 < end,
+                                        k_ok, EVEN_K)
+                    acc3 = _row_product(acc3, wk, x0 + 3 * stride_xm, k2d, row_n + 3 < end,
+                                        k_ok, EVEN_K)
+            out0 = out_ptr + tl.cast(m0, tl.int64) * stride_om
+            _row_store(acc0, xs_ptr + m0, out0, w_scale, cols, col_ok, row_n < end)
+            if ROWS > 1:
+                _row_store(acc1, xs_ptr + m0 + 1, out0 + stride_om, w_scale, cols, col_ok,
+                           row_n + 1 < end)
+            if ROWS > 2:
+                _row_store(acc2, xs_ptr + m0 + 2, out0 + 2 * stride_om, w_scale, cols,
+                           col_ok, row_n + 2 < end)
+                _row_store(acc3, xs_ptr + m0 + 3, out0 + 3 * stride_om, w_scale, cols,
+                           col_ok, row_n + 3 < end)
 
 
 def rows_per_pass(group_rows: int) -> int:
