@@ -32,7 +32,7 @@ width, K-step, warps and pipeline stages (``TUNE``) at the automatic split, each
 the fastest choice and its speed-up over the defaults (a choice that does not fit the
 SM's shared memory is recorded as such and skipped); ``--gemv-tune`` times
 ``gemv_triton.fp8_gemv``'s tiles (``GEMV_TUNE``) beside the split-K kernel where every
-group has at most ``gemv_triton.MAX_ROWS`` rows.
+group has few rows (``gemv_triton.MAX_ROWS`` is where the engine takes it).
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def dense_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
             paths = {"torch": lambda x=x, w=w, s=s: quant.fp8_linear(x, w[0], s[0])}
             if triton_ok:
                 paths["quant"] = with_quant_kernel(paths["torch"])
-                paths["triton"] = lambda x=x, w=w, s=s: moe_triton.fp8_linear_small(x, w[0], s[0])
+                paths["triton"] = lambda x=x, w=w, s=s: moe_triton.fp8_grouped_mm_small(
+                    x, w[:1], s[:1], None, gemv=False)  # split-K (fp8_gemv: --gemv-tune)
                 paths["reduce"] = lambda x=x, w=w, s=s: moe_triton.fp8_grouped_mm_small(
                     x, w[:1], s[:1], None, reduce_in_kernel=True)
                 tile = tuned(False, n, k)
@@ -126,7 +127,7 @@ def grouped_rows(rows, device, copy_rate, ms, smoke, triton_ok) -> None:
             if triton_ok:
                 paths["quant"] = with_quant_kernel(paths["torch"])
                 paths["triton"] = lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
-                    x, w, s, o)
+                    x, w, s, o, gemv=False)
                 paths["reduce"] = lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
                     x, w, s, o, reduce_in_kernel=True)
                 paths["slots"] = lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
@@ -258,7 +259,7 @@ def tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
 
 
 #: (block_n, block_k, num_warps) of ``gemv_triton.fp8_gemv`` that ``--gemv-tune`` times
-#: (the first per rows-per-pass is ``gemv_triton.DEFAULT_TILES``').
+#: (the first is ``gemv_triton.DEFAULT_TILE``).
 GEMV_TUNE = [(16, 512, 4), (16, 256, 4), (8, 256, 4), (16, 512, 8), (32, 512, 8),
              (8, 512, 2), (8, 1024, 4), (16, 1024, 8), (32, 256, 4), (4, 1024, 2),
              (64, 256, 8), (32, 1024, 8)]
@@ -268,26 +269,23 @@ def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
     """``gemv_triton.fp8_gemv`` (rows quantized by ``quant_triton``'s kernel first, as
     ``fp8_grouped_mm_small`` does) at each GEMV_TUNE tile beside the split-K kernel at its
     default and tuned tiles, Scout's four shapes at ``ms`` rows (spread round-robin over
-    the experts: a group holds ``ceil(m / 16)``) where a group holds at most
-    ``gemv_triton.MAX_ROWS``; per row the fastest GEMV tile and the split-K default over
-    it, saved row by row."""
+    the experts: a group holds ``ceil(m / 16)``; a group's second row re-reads its slab);
+    per row the fastest GEMV tile and the split-K default over it, saved row by row."""
     from chunklocal.models import gemv_triton, moe_triton
     from chunklocal.models.quant_triton import quantize_rows
 
     configs = GEMV_TUNE[:2] if smoke else GEMV_TUNE
     for name, m, x, w, s, offs, nbytes in scout_cells(device, ms, smoke):
         group_rows = m if offs is None else -(-m // w.shape[0])
-        if group_rows > gemv_triton.MAX_ROWS:
-            continue
         tile = tuned(offs is not None, *w.shape[1:])
         paths = {"split": lambda x=x, w=w, s=s, o=offs: moe_triton.fp8_grouped_mm_small(
                      x, w, s, o, gemv=False),
                  "split_tuned": lambda x=x, w=w, s=s, o=offs, t=tile:
                      moe_triton.fp8_grouped_mm_small(x, w, s, o, gemv=False, **t)}
         for bn, bk, warps in configs:
-            def fn(x=x, w=w, s=s, o=offs, bn=bn, bk=bk, warps=warps, g=group_rows):
+            def fn(x=x, w=w, s=s, o=offs, bn=bn, bk=bk, warps=warps):
                 xq, xs = quantize_rows(x)
-                return gemv_triton.fp8_gemv(xq, xs, x.dtype, w, s, o, g, block_n=bn,
+                return gemv_triton.fp8_gemv(xq, xs, x.dtype, w, s, o, block_n=bn,
                                             block_k=bk, num_warps=warps)
             paths[f"gemv_bn{bn}_bk{bk}_w{warps}"] = fn
         row = cell(name, m, nbytes, paths, device, copy_rate)

@@ -296,7 +296,7 @@ GEMV_SCRIPT = textwrap.dedent("""
     from chunklocal.models.moe import expert_mm
     from chunklocal.models.quant import FP8, dequantize, fp8_linear, quantize_per_token
 
-    assert not gemv_triton.GEMV_ENABLED  # off by default (CHUNKLOCAL_FP8_GEMV=1 turns it on)
+    assert gemv_triton.GEMV_ENABLED and gemv_triton.MAX_ROWS == 1  # CHUNKLOCAL_FP8_GEMV=0
     gen = torch.Generator().manual_seed(5)
 
     def rows_like_fp8(m, k):
@@ -317,11 +317,10 @@ GEMV_SCRIPT = textwrap.dedent("""
     for e, n, k in ((5, 40, 100), (5, 48, 96)):
         w = (torch.randn(e, n, k, generator=gen) * 0.5).to(FP8)
         w_scale = torch.rand(e, n, generator=gen) + 0.5
-        # groups of 0, 1, 2, 3 and 5 rows; the bound group_rows smaller than a group (2
-        # rows a pass over 5 rows) is still right, only slower
-        for ends, group_rows in (([0, 1, 1, 1, 1], 1), ([1, 1, 2, 2, 2], 1),
-                                 ([2, 2, 2, 3, 5], 2), ([0, 3, 3, 8, 11], 4),
-                                 ([5, 5, 5, 5, 5], 1), ([0, 0, 0, 0, 0], 1)):
+        # groups of 0, 1, 2, 3 and 5 rows (a second row re-reads the slab), the last
+        # group's, none at all
+        for ends in ([0, 1, 1, 1, 1], [1, 1, 2, 2, 2], [2, 2, 2, 3, 5], [0, 3, 3, 8, 11],
+                     [0, 0, 0, 0, 1], [0, 0, 0, 0, 0]):
             offs = torch.tensor(ends, dtype=torch.int32)
             m = max(ends[-1], 1)
             x = rows_like_fp8(m, k)
@@ -329,44 +328,45 @@ GEMV_SCRIPT = textwrap.dedent("""
             experts = torch.repeat_interleave(torch.arange(e), sizes)
             for tile in ({}, dict(block_n=8, block_k=32, num_warps=2)):
                 xq, xs = quantize_per_token(x, None)
-                got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w, w_scale, offs,
-                                           group_rows, **tile)
+                got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w, w_scale, offs, **tile)
                 assert got.shape == (m, n) and got.dtype == torch.float32
                 if ends[-1]:  # else a row past offs[-1], unspecified
                     check(got[:ends[-1]], x[:ends[-1]], w, w_scale, experts)
-            # through fp8_grouped_mm_small: the GEMV where the bound is small enough
+            # through fp8_grouped_mm_small, forced, against the split-K kernel
             split = moe_triton.fp8_grouped_mm_small(x, w, w_scale, offs, gemv=False)
-            gemv = moe_triton.fp8_grouped_mm_small(x, w, w_scale, offs, gemv=True,
-                                                   group_rows=group_rows)
+            gemv = moe_triton.fp8_grouped_mm_small(x, w, w_scale, offs, gemv=True)
             if ends[-1]:
                 err = float((gemv[:ends[-1]] - split[:ends[-1]]).abs().max()
                             / split[:ends[-1]].abs().max())
                 assert err < 2.0 ** -12, (ends, err)
-        # a dense layer: one group, no offsets, its rows at most MAX_ROWS
+        # a dense layer: one group, no offsets
         x = rows_like_fp8(3, k)
         xq, xs = quantize_per_token(x, None)
-        got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w[1:2], w_scale[1:2], None, 3)
+        got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w[1:2], w_scale[1:2], None)
         check(got, x, w, w_scale, torch.full((3,), 1))
 
-    # dispatch: with the switch on, groups of at most MAX_ROWS rows take the GEMV, the
-    # MoE layer's bound being its tokens; a dense layer's its rows
-    assert gemv_triton.rows_per_pass(1) == 1 and gemv_triton.rows_per_pass(3) == 4
-    assert gemv_triton.rows_per_pass(9) == gemv_triton.MAX_ROWS
+    # dispatch: groups of at most MAX_ROWS (1) rows take the GEMV, the MoE layer's bound
+    # being its tokens, a dense layer's its rows; a named split-K knob, the split-K kernel
     calls, real = [], gemv_triton.fp8_gemv
-    gemv_triton.fp8_gemv = lambda *a, **kw: calls.append(a[6]) or real(*a, **kw)
+    gemv_triton.fp8_gemv = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
     x = rows_like_fp8(6, 96)
     offs = torch.tensor([1, 1, 3, 3, 6], dtype=torch.int32)
-    expert_mm(x, w, offs, w_scale, small_m=True, group_rows=3)
-    assert calls == [], calls  # off by default
-    gemv_triton.GEMV_ENABLED = True
-    expert_mm(x, w, offs, w_scale, small_m=True, group_rows=3)
-    expert_mm(x, w, offs, w_scale, small_m=True, group_rows=5)  # past MAX_ROWS: split-K
+    expert_mm(x, w, offs, w_scale, small_m=True, group_rows=1)  # 6 rows, 1 a group: GEMV
+    expert_mm(x, w, offs, w_scale, small_m=True, group_rows=3)  # past MAX_ROWS: split-K
     expert_mm(x, w, offs, w_scale, small_m=True)  # no bound: M = 6 rows, split-K
-    fp8_linear(x[:4], w[2], w_scale[2])
-    fp8_linear(x[:5], w[2], w_scale[2])
-    assert calls == [3, 4], calls
+    moe_triton.fp8_grouped_mm_small(x[:1], w, w_scale, offs * 0 + 1)  # one row: GEMV
+    moe_triton.fp8_grouped_mm_small(x[:1], w, w_scale, offs * 0 + 1, split_k=1)
+    moe_triton.fp8_grouped_mm_small(x[:1], w, w_scale, offs * 0 + 1, reduce_in_kernel=False)
+    fp8_linear(x[:1], w[2], w_scale[2])  # a dense layer of one row: GEMV
+    fp8_linear(x[:2], w[2], w_scale[2])
+    assert calls == [6, 1, 1], calls
+    gemv_triton.GEMV_ENABLED = False
+    expert_mm(x, w, offs, w_scale, small_m=True, group_rows=1)
+    fp8_linear(x[:1], w[2], w_scale[2])
+    assert calls == [6, 1, 1], calls  # the switch off: no GEMV
+    gemv_triton.GEMV_ENABLED = True
 
-    # the FP8 MoE layer at 1 and 3 tokens: the GEMV's output against the split-K kernel's
+    # the FP8 MoE layer at 1 token (GEMV) against the switch off, and at 3 (no GEMV)
     moe = ours_from(hf_moe(16, 1, seed=3))
     ex = moe.experts
     for name in ("w13", "w2"):
@@ -375,15 +375,15 @@ GEMV_SCRIPT = textwrap.dedent("""
         setattr(ex, name, nn.Parameter((wt / scale[..., None]).to(FP8), requires_grad=False))
         setattr(ex, name + "_scale", scale.float())
     moe.triton_max_pairs = 10**6
-    for tokens in (1, 3):
+    for tokens, gemvs in ((1, 2), (3, 0)):
         h = torch.randn(tokens, 16, generator=gen)
-        calls.clear()
         with torch.no_grad():
             gemv_triton.GEMV_ENABLED = False
             want = moe(h)
             gemv_triton.GEMV_ENABLED = True
+            calls.clear()
             got = moe(h)
-        assert calls == [tokens, tokens], calls  # w13 and w2
+        assert len(calls) == gemvs, (tokens, calls)  # w13 and w2
         err = float((got - want).abs().max() / want.abs().max())
         assert err < 2.0 ** -10, (tokens, err)
     print("ok")
@@ -391,10 +391,11 @@ GEMV_SCRIPT = textwrap.dedent("""
 
 
 def test_fp8_gemv_in_interpreter():
-    """gemv_triton.fp8_gemv (off by default): groups of 0-5 rows, the rows-per-pass bound
-    smaller than a group, masked and unmasked tiles, the dense form, against float64 on
-    the quantized rows and against the split-K kernel; the dispatch of fp8_grouped_mm_small
-    (the MoE layer's bound is its tokens) and the FP8 MoE layer with it on against off."""
+    """gemv_triton.fp8_gemv (on by default for one row a group): groups of 0-5 rows,
+    masked and unmasked tiles, the dense form, against float64 on the quantized rows and
+    against the split-K kernel; the dispatch of fp8_grouped_mm_small (the MoE layer's
+    bound is its tokens; a named split-K knob keeps the split-K kernel; the switch) and
+    the FP8 MoE layer with it on against off."""
     run_in_interpreter(GEMV_SCRIPT)
 
 

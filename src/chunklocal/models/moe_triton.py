@@ -269,9 +269,9 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
 
     ``group_rows`` bounds the rows of any one group (None: M; the MoE layer passes its
     tokens, a group having at most one row per token): where it is at most
-    ``gemv_triton.MAX_ROWS`` and :data:`gemv_triton.GEMV_ENABLED` (``gemv`` overrides it),
-    the GEMM runs as :func:`gemv_triton.fp8_gemv` instead (the tile keywords are then
-    the split-K kernel's and unused)."""
+    ``gemv_triton.MAX_ROWS`` (1) and :data:`gemv_triton.GEMV_ENABLED` (on), the GEMM runs
+    as :func:`gemv_triton.fp8_gemv` instead; ``gemv`` True or False forces the choice, and
+    a call naming any of the split-K keywords above means the split-K kernel."""
     if triton is None:
         raise RuntimeError("fp8_grouped_mm_small needs Triton")
     if isinstance(x, QuantRows):
@@ -282,8 +282,12 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
         (xq, x_scale), dtype = quantize_rows(x, scale_ub), x.dtype
     num_rows, k_dim = xq.shape
     group_rows = num_rows if group_rows is None else group_rows
+    knobs = (block_n, block_k, split_k, num_warps, num_stages, reduce_in_kernel,
+             routed_slots_in_kernel)
+    if gemv is None and any(knob is not None for knob in knobs):
+        gemv = False  # a split-K knob named: the caller asks for the split-K kernel
     if gemv_triton.takes(group_rows, gemv):
-        return gemv_triton.fp8_gemv(xq, x_scale, dtype, w, w_scale, offs, group_rows)
+        return gemv_triton.fp8_gemv(xq, x_scale, dtype, w, w_scale, offs)
     num_experts, n_dim, _ = w.shape
     if xq.stride(1) != 1 or w.stride(2) != 1 or w_scale.stride(1) != 1:
         raise ValueError("fp8_grouped_mm_small needs x, w and w_scale contiguous along K / N")
