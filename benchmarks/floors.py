@@ -165,8 +165,9 @@ def prefill_flops(config, layer_kinds, prompt_len: int, dense_params: int,
 #: ``qq`` for FP8 operands; CUTLASS's grouped GEMM under ``torch._scaled_grouped_mm``).
 KERNEL_CLASSES = (
     # moe_triton's FP8 kernel runs the routed experts and (as one group) the dense layers;
-    # gemv_triton's GEMV the steps of one row a group
-    ("FP8 GEMMs, Triton (experts and dense)", r"_fp8_splitk_kernel|_fp8_gemv_kernel"),
+    # gemv_triton's GEMV the steps of one row a group (its 16-bit form, off by default, is
+    # counted here too: one kernel name for both)
+    ("FP8 GEMMs, Triton (experts and dense)", r"_fp8_splitk_kernel|_gemv_kernel"),
     # route_triton's pair bookkeeping (sort by expert, group ends) in one launch, from the
     # router's logits with the fused routing (or its GEMM too), and its sum of each token's
     # expert outputs

@@ -322,7 +322,7 @@ def test_kernel_classes_of_the_names_seen_on_the_h200():
 #: 24 ms of the decode step to "other" in an H200 profile.
 TRITON_KERNEL_CLASSES = {
     "_fp8_splitk_kernel": "FP8 GEMMs, Triton (experts and dense)",
-    "_fp8_gemv_kernel": "FP8 GEMMs, Triton (experts and dense)",  # one row a group
+    "_gemv_kernel": "FP8 GEMMs, Triton (experts and dense)",  # one row a group
     "group_span": "other",  # the grouped kernels' jit helper, inlined (no launch)
     "_grouped_gemm_kernel": "expert GEMMs",
     "_splitk_sum_kernel": "norms, reductions",  # the split-K slices' sum, where torch's sum was

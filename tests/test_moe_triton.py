@@ -66,7 +66,8 @@ def run_in_interpreter(script: str) -> None:
                    "CHUNKLOCAL_MOE_SILU_QUANT", "CHUNKLOCAL_FP8_QUANT_ONE_PASS",
                    "CHUNKLOCAL_FP8_SPLITK_SUM", "CHUNKLOCAL_MOE_ROUTE_TRITON",
                    "CHUNKLOCAL_MOE_ROUTE_FUSED", "CHUNKLOCAL_MOE_ROUTE_WIDE",
-                   "CHUNKLOCAL_MOE_ROUTER_IN_KERNEL", "CHUNKLOCAL_FP8_GEMV"):
+                   "CHUNKLOCAL_MOE_ROUTER_IN_KERNEL", "CHUNKLOCAL_FP8_GEMV",
+                   "CHUNKLOCAL_FP8_GEMV_MAX_ROWS", "CHUNKLOCAL_GEMV_LINEAR"):
         env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
@@ -397,6 +398,63 @@ def test_fp8_gemv_in_interpreter():
     bound is its tokens; a named split-K knob keeps the split-K kernel; the switch) and
     the FP8 MoE layer with it on against off."""
     run_in_interpreter(GEMV_SCRIPT)
+
+
+GEMV16_SCRIPT = textwrap.dedent("""
+    import tempfile
+    import torch
+    from torch import nn
+    import chunklocal
+    from llama4_tiny import write_tiny_llama4
+    from chunklocal.engine.sampling import SamplingParams
+    from chunklocal.models import gemv_triton
+
+    gen = torch.Generator().manual_seed(9)
+    # the kernel's 16-bit form (float32 in the interpreter): masked (N = 40, K = 100) and
+    # unmasked (N = 48, K = 512) tiles, against float64
+    for n, k in ((40, 100), (48, 512)):
+        w = torch.randn(n, k, generator=gen)
+        x = torch.randn(1, k, generator=gen)
+        got = gemv_triton.gemv16(x, w)
+        want = x.double() @ w.double().T
+        assert got.shape == (1, n) and got.dtype == x.dtype
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
+    # linear's dispatch: off by default; on, one row of a plain nn.Linear without bias only
+    calls, real = [], gemv_triton.gemv16
+    gemv_triton.gemv16 = lambda *a: calls.append(tuple(a[1].shape)) or real(*a)
+    lin, x = nn.Linear(100, 40, bias=False), torch.randn(1, 100, generator=gen)
+    assert not gemv_triton.LINEAR_ENABLED  # CHUNKLOCAL_GEMV_LINEAR=1 turns it on
+    gemv_triton.linear(lin, x)
+    assert calls == []
+    gemv_triton.LINEAR_ENABLED = True
+    torch.testing.assert_close(gemv_triton.linear(lin, x), lin(x), rtol=1e-5, atol=1e-5)
+    gemv_triton.linear(lin, torch.randn(2, 100))  # two rows
+    gemv_triton.linear(nn.Linear(100, 40), x)  # a bias
+    assert calls == [(40, 100)], calls
+
+    # the engine at batch 1: its decode steps' q/k/v, o_proj and LM head through the GEMV,
+    # the same greedy tokens as with it off
+    path = tempfile.mkdtemp()
+    write_tiny_llama4(path, seed=4)
+    llm = chunklocal.LLM(path, device="cpu", dtype=torch.float32, max_model_len=128,
+                         block_size=4)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for on in (False, True):
+        gemv_triton.LINEAR_ENABLED = on
+        calls.clear()
+        outs[on] = llm.generate([[5, 17, 300, 42, 9, 77]], params)[0].outputs[0].token_ids
+    assert len(calls) >= 4 * 2, calls  # decode steps x (qkv, o_proj per layer + LM head)
+    assert outs[True] == outs[False], outs
+    print("ok")
+""")
+
+
+def test_gemv16_and_its_linear_dispatch_in_interpreter():
+    """gemv_triton.gemv16 (the kernel without scales) against float64, linear's dispatch
+    (off by default; one row of a plain nn.Linear without bias), and the engine's greedy
+    tokens at batch 1 with it on against off."""
+    run_in_interpreter(GEMV16_SCRIPT)
 
 
 GATHER_QUANT_SCRIPT = textwrap.dedent("""

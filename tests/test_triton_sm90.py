@@ -86,7 +86,7 @@ def recorded(monkeypatch):
     recorders = {}
     for module, name in ((quant_triton, "_quantize_rows_kernel"),
                          (moe_triton, "_fp8_splitk_kernel"),
-                         (gemv_triton, "_fp8_gemv_kernel"),
+                         (gemv_triton, "_gemv_kernel"),
                          (moe_triton, "_grouped_gemm_kernel"),
                          (moe_triton, "_splitk_sum_kernel"),
                          (kv_write_triton, "_write_kv_kernel"),
@@ -151,7 +151,7 @@ def test_fp8_split_k_kernel_every_form(recorded, reduce, slots):
     compile_all(recorded["_quantize_rows_kernel"], 2)
 
 
-def test_fp8_gemv_kernel_every_form(recorded):
+def test_gemv_kernel_every_form(recorded):
     """The GEMV on Scout's expert shapes (17 groups with the shared one) at a batch-1 step,
     through fp8_grouped_mm_small's dispatch with rows quantized by the kernel or coming
     quantized; a masked tile; the dense form."""
@@ -167,11 +167,11 @@ def test_fp8_gemv_kernel_every_form(recorded):
     gemv_triton.fp8_gemv(rows.q[:, :5000], rows.scale, BF16, torch.zeros(1, 200, 5000,
                          dtype=FP8), torch.ones(1, 200), None)
     moe_triton.fp8_linear_small(torch.zeros(1, 5120, dtype=BF16), w[0, :, :5120], scale[0])
-    launches = recorded["_fp8_gemv_kernel"].launches
+    launches = recorded["_gemv_kernel"].launches
     assert [kw["EVEN_K"] for _, _, kw in launches] == [True, True, True, False, True]
     assert [kw["HAS_OFFS"] for _, _, kw in launches] == [True, True, True, False, False]
     assert recorded["_fp8_splitk_kernel"].launches == []
-    compile_all(recorded["_fp8_gemv_kernel"], 5)
+    compile_all(recorded["_gemv_kernel"], 5)
 
 
 def test_split_k_sum_kernel(recorded):
@@ -221,7 +221,7 @@ def test_every_kernel_of_the_package_is_compiled_here():
                     "triton.jit" in ast.unparse(d) for d in node.decorator_list):
                 found.add(node.name)
     assert found == {"_quantize_rows_kernel", "_fp8_splitk_kernel", "_grouped_gemm_kernel",
-                     "_fp8_gemv_kernel",
+                     "_gemv_kernel",
                      "_splitk_sum_kernel",
                      "_write_kv_kernel", "_add_rms_norm_kernel", "_rope_norm_kernel",
                      "_sort_pairs_kernel", "_route_pairs_kernel", "_combine_kernel",

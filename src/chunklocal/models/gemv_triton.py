@@ -31,8 +31,9 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
-from chunklocal.models.quant_triton import triton
+from chunklocal.models.quant_triton import available, triton
 
 if triton is not None:
     import triton.language as tl
@@ -98,11 +99,12 @@ if triton is not None:
 
     # num_rows (the batch) varies per call: no recompiles for it
     @triton.jit(do_not_specialize=["num_rows"])
-    def _fp8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, out_ptr, N, K,
-                         stride_xm, stride_we, stride_wn, stride_se, stride_om, num_rows,
-                         num_experts, HAS_OFFS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                         EXPERTS_POW2: tl.constexpr):
+    def _gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, out_ptr, N, K, stride_xm,
+                     stride_we, stride_wn, stride_se, stride_om, num_rows, num_experts,
+                     SCALED: tl.constexpr, HAS_OFFS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                     EXPERTS_POW2: tl.constexpr):
+        # SCALED: e4m3 rows and weights with their scales; else 16-bit ones (xs, ws unused)
         pid_n = tl.program_id(0)
         expert, start, end = group_span(offs_ptr, tl.program_id(1), num_rows, num_experts,
                                         HAS_OFFS, True, EXPERTS_POW2)
@@ -110,7 +112,8 @@ if triton is not None:
         col_ok = cols < N
         ks = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        w_scale = tl.load(ws_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)
+        if SCALED:
+            w_scale = tl.load(ws_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)
         # The row's K offsets repeated down the tile's columns: its bytes are loaded as a
         # [BLOCK_N, BLOCK_K] tile (each column's K-slice again, L1 hits) so that they come
         # in the weights' layout.  Loaded as one [BLOCK_K] vector and broadcast, they took
@@ -132,8 +135,9 @@ if triton is not None:
                 else:
                     xk = tl.load(x_row + k0 + k2d, mask=(k0 + k2d) < K, other=0.0)
                 acc += wk.to(tl.float32) * xk.to(tl.float32)
-            x_scale = tl.load(xs_ptr + row_n)
-            total = tl.sum(acc, axis=1) * x_scale * w_scale
+            total = tl.sum(acc, axis=1)
+            if SCALED:
+                total = total * tl.load(xs_ptr + row_n) * w_scale
             out = out_ptr + tl.cast(m, tl.int64) * stride_om + cols
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -167,12 +171,50 @@ def fp8_gemv(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, w: tor
     block_k = DEFAULT_TILE[1] if block_k is None else block_k
     num_warps = DEFAULT_TILE[2] if num_warps is None else num_warps
     out = torch.empty(num_rows, n_dim, dtype=dtype, device=xq.device)
+    _launch(xq, x_scale, w, w_scale, offs, out, True, block_n, block_k, num_warps)
+    return out
+
+
+def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_warps):
+    num_rows, k_dim = x.shape
+    num_experts, n_dim, _ = w.shape
     slots = 1 if offs is None else routed_slots(num_rows, num_experts)
     grid = (triton.cdiv(n_dim, block_n), slots)
-    _fp8_gemv_kernel[grid](
-        xq, x_scale, w, w_scale, xq if offs is None else offs, out, n_dim, k_dim,
-        xq.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0), num_rows,
-        num_experts, HAS_OFFS=offs is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+    _gemv_kernel[grid](
+        x, x_scale, w, w_scale, x if offs is None else offs, out, n_dim, k_dim, x.stride(0),
+        w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0), num_rows, num_experts,
+        SCALED=scaled, HAS_OFFS=offs is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n_dim % block_n == 0, EVEN_K=k_dim % block_k == 0,
         EXPERTS_POW2=triton.next_power_of_2(num_experts), num_warps=num_warps)
+
+
+#: Whether :func:`linear` runs a plain 16-bit ``nn.Linear`` of one row (a batch-1 decode
+#: step's attention projections and LM head, where cuBLAS runs a split-K GEMM and its
+#: reduce) through :func:`gemv16`.  Written after the twenty-second session's device time:
+#: off until a GPU A/B measures it (``CHUNKLOCAL_GEMV_LINEAR=1``; ``benchmarks/switch_ab.py
+#: --switches gemv16``).
+LINEAR_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_LINEAR", "0") == "1"
+
+
+def gemv16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w[N, K].T`` for 16-bit ``x`` and ``w`` of one dtype, float32 sums,
+    one rounding: :func:`fp8_gemv`'s kernel without scales (M = 1 is its case)."""
+    if triton is None:
+        raise RuntimeError("gemv16 needs Triton")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("gemv16 needs x and w contiguous along K")
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps = DEFAULT_TILE
+    _launch(x, x, w.unsqueeze(0), w.unsqueeze(0), None, out, False, block_n, block_k,
+            num_warps)
     return out
+
+
+def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, through :func:`gemv16` where :data:`LINEAR_ENABLED`, ``layer`` is a
+    plain ``nn.Linear`` without bias whose weight has x's dtype, and ``x`` is one 16-bit
+    row Triton runs on (the step's shape, the same at capture and replay)."""
+    if (LINEAR_ENABLED and type(layer) is nn.Linear and layer.bias is None and x.dim() == 2
+            and x.shape[0] == 1 and x.dtype == layer.weight.dtype and available(x)):
+        return gemv16(x, layer.weight)
+    return layer(x)

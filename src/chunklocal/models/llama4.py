@@ -21,6 +21,7 @@ from chunklocal.backends.base import AttentionStep, Kind
 from chunklocal.kv_quant import calibrated_scales, is_fp8, write_fp8
 from chunklocal.kv_spec import softmax_scale
 from chunklocal.models.fused import GatedMLPBase, fuse_into
+from chunklocal.models.gemv_triton import linear
 from chunklocal.models.kv_write_triton import (
     kv_write_16bit_available,
     kv_write_available,
@@ -154,9 +155,9 @@ class Attention(nn.Module):
         (engine/piecewise_graphs.py) before the attention."""
         t = x.shape[0]
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            q, k, v = linear(self.qkv_proj, x).split(self.qkv_sizes, dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -204,7 +205,7 @@ class Attention(nn.Module):
     def output(self, out, dtype):
         """o_proj of the attention's output ``[T, heads, head_dim]`` (or ``[T, heads *
         head_dim]``), summed over the tensor-parallel ranks."""
-        out = self.o_proj(out.reshape(out.shape[0], -1).to(dtype))
+        out = linear(self.o_proj, out.reshape(out.shape[0], -1).to(dtype))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
@@ -385,5 +386,5 @@ class Llama4ForCausalLM(nn.Module):
         return freqs_cis, query_temperature(self.config, positions)
 
     def compute_logits(self, hidden):
-        logits = self.lm_head(hidden)
+        logits = linear(self.lm_head, hidden)
         return self.tp.all_gather_last(logits) if self.tp.size > 1 else logits
