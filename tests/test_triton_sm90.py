@@ -167,11 +167,17 @@ def test_gemv_kernel_every_form(recorded):
     gemv_triton.fp8_gemv(rows.q[:, :5000], rows.scale, BF16, torch.zeros(1, 200, 5000,
                          dtype=FP8), torch.ones(1, 200), None)
     moe_triton.fp8_linear_small(torch.zeros(1, 5120, dtype=BF16), w[0, :, :5120], scale[0])
+    # the 16-bit form (gemv16, off by default): Scout's fused q/k/v and a masked LM head
+    for n in (7168, 1000):
+        gemv_triton.gemv16(torch.empty(1, 5120, dtype=BF16), torch.empty(n, 5120, dtype=BF16))
     launches = recorded["_gemv_kernel"].launches
-    assert [kw["EVEN_K"] for _, _, kw in launches] == [True, True, True, False, True]
-    assert [kw["HAS_OFFS"] for _, _, kw in launches] == [True, True, True, False, False]
+    assert [kw["EVEN_K"] for _, _, kw in launches] == [True, True, True, False, True, True,
+                                                       True]
+    assert [kw["HAS_OFFS"] for _, _, kw in launches] == [True, True, True, False, False,
+                                                         False, False]
+    assert [kw["SCALED"] for _, _, kw in launches] == [True] * 5 + [False] * 2
     assert recorded["_fp8_splitk_kernel"].launches == []
-    compile_all(recorded["_gemv_kernel"], 5)
+    compile_all(recorded["_gemv_kernel"], 7)
 
 
 def test_split_k_sum_kernel(recorded):

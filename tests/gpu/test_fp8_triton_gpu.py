@@ -254,3 +254,27 @@ def test_gemv_replays_in_a_cuda_graph_with_new_routing():
     the device at every replay) and gives the eager call's bits."""
     check_replays_with_new_routing(lambda *a: moe_triton.fp8_grouped_mm_small(
         *a, gemv=True))
+
+
+@pytest.mark.parametrize("n,k", [(7168, 5120), (5120, 5120), (1000, 5000)],
+                         ids=["scout-qkv", "scout-o", "masked"])
+def test_gemv16_equals_float64(n, k):
+    """gemv_triton.gemv16 (CHUNKLOCAL_GEMV_LINEAR, off by default): one bf16 row against
+    float64 within bf16's rounding of the output plus float32 accumulation, eagerly and
+    replayed from a CUDA graph (the same bits)."""
+    from chunklocal.models import gemv_triton
+
+    gen = torch.Generator().manual_seed(n)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    want = x.double() @ w.double().T
+    xc, wc = x.cuda(), w.cuda()
+    got = gemv_triton.gemv16(xc, wc)
+    bound = 2.0 ** -8 * want.abs() + 2.0 ** -16 * (x.double().abs() @ w.double().abs().T)
+    assert got.dtype == torch.bfloat16
+    assert bool(((got.double().cpu() - want).abs() <= bound).all())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = gemv_triton.gemv16(xc, wc)
+    graph.replay()
+    assert torch.equal(replayed, got)
