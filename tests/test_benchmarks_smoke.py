@@ -473,8 +473,10 @@ def test_decode_trace_counts_files_to_the_kernel(tmp_path):
     before each layer's write 19, and the runner's host half in its own module
     (engine/input_builder.py, which tensor parallelism composes) 20, the elementwise tail's
     switch (models/norm_triton.py, consulted by each norm and rope on the CPU too) 21, the
-    16-bit KV write's check (models/kv_write_triton.py, on by default) 22 (BENCHMARKS.md):
-    a change that adds a hop should say why."""
+    16-bit KV write's check (models/kv_write_triton.py, on by default) 22, the one-row
+    projections' GEMV check (models/gemv_triton.py's ``linear``, consulted by q/k/v, o_proj
+    and the LM head on the CPU too) 23 (BENCHMARKS.md): a change that adds a hop should say
+    why."""
     from benchmarks import decode_trace
 
     decode_trace.write_checkpoint(tmp_path)
@@ -483,7 +485,7 @@ def test_decode_trace_counts_files_to_the_kernel(tmp_path):
     assert files[0] == "chunklocal/engine/llm.py"
     assert {"chunklocal/reference.py", "chunklocal/models/llama4.py",
             "chunklocal/backends/torch_ref.py"} <= set(files)
-    assert result["count"] == len(files) <= 22
+    assert result["count"] == len(files) <= 23
 
 
 def test_switch_ab_smoke(tmp_path, monkeypatch):
