@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from chunklocal.models import moe as moe_module
 from chunklocal.models.moe import MoE, expert_mm, hf_expert_tensor, padded_mm
@@ -52,6 +53,20 @@ def ours_from(hf, dtype=torch.float32, **kwargs):
     state = dict(hf_expert_tensor(name, t) for name, t in hf.state_dict().items())
     moe.load_state_dict(state, strict=True)
     return moe.to(dtype).eval()
+
+
+def fp8_experts(moe):
+    """``moe``'s experts quantized in place to e4m3 with per-output-channel scales (the
+    FP8 checkpoints' layout); returns ``moe``."""
+    from chunklocal.models.quant import FP8
+
+    ex = moe.experts
+    for name in ("w13", "w2"):
+        w = getattr(ex, name).data
+        scale = w.abs().amax(-1).clamp(min=1e-6) / 448.0
+        setattr(ex, name, nn.Parameter((w / scale[..., None]).to(FP8), requires_grad=False))
+        setattr(ex, name + "_scale", scale.float())
+    return moe
 
 
 def rel_err(actual, expected):

@@ -291,7 +291,7 @@ def test_fp8_kernel_launches_only_routed_experts():
 
 GEMV_SCRIPT = textwrap.dedent("""
     import torch
-    from test_moe import hf_moe, ours_from
+    from test_moe import fp8_experts, hf_moe, ours_from
     from torch import nn
     from chunklocal.models import gemv_triton, moe_triton
     from chunklocal.models.moe import expert_mm
@@ -368,13 +368,7 @@ GEMV_SCRIPT = textwrap.dedent("""
     gemv_triton.GEMV_ENABLED = True
 
     # the FP8 MoE layer at 1 token (GEMV) against the switch off, and at 3 (no GEMV)
-    moe = ours_from(hf_moe(16, 1, seed=3))
-    ex = moe.experts
-    for name in ("w13", "w2"):
-        wt = getattr(ex, name).data
-        scale = wt.abs().amax(-1).clamp(min=1e-6) / 448.0
-        setattr(ex, name, nn.Parameter((wt / scale[..., None]).to(FP8), requires_grad=False))
-        setattr(ex, name + "_scale", scale.float())
+    moe = fp8_experts(ours_from(hf_moe(16, 1, seed=3)))
     moe.triton_max_pairs = 10**6
     for tokens, gemvs in ((1, 2), (3, 0)):
         h = torch.randn(tokens, 16, generator=gen)
@@ -460,7 +454,7 @@ def test_gemv16_and_its_linear_dispatch_in_interpreter():
 GATHER_QUANT_SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
-    from test_moe import hf_moe, ours_from
+    from test_moe import fp8_experts, hf_moe, ours_from
     from chunklocal.models import moe as moe_mod, quant_triton
     from chunklocal.models.quant import FP8
 
@@ -485,13 +479,7 @@ GATHER_QUANT_SCRIPT = textwrap.dedent("""
 
     # the MoE layer with FP8 experts: the same output with the switch on as off, on the
     # Triton kernel's steps and on quant.fp8_grouped_mm's, and the fused call is made
-    moe = ours_from(hf_moe(16, 1, seed=3))
-    ex = moe.experts
-    for name in ("w13", "w2"):
-        w = getattr(ex, name).data
-        scale = w.abs().amax(-1).clamp(min=1e-6) / 448.0
-        setattr(ex, name, nn.Parameter((w / scale[..., None]).to(FP8), requires_grad=False))
-        setattr(ex, name + "_scale", scale.float())
+    moe = fp8_experts(ours_from(hf_moe(16, 1, seed=3)))
     x = torch.randn(40, 16, generator=gen)
 
     def on_against_off(switch, kernel, tolerance):
