@@ -27,8 +27,8 @@ import os
 
 import torch
 
+import chunklocal.models.gemv_triton as gemv_triton
 from chunklocal._validate import cdiv
-from chunklocal.models import gemv_triton
 from chunklocal.models.gemv_triton import routed_slots
 from chunklocal.models.quant_triton import QuantRows, available, quantize_rows, triton
 
