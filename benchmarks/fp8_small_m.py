@@ -258,11 +258,14 @@ def tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
         save()
 
 
-#: (block_n, block_k, num_warps) of ``gemv_triton.fp8_gemv`` that ``--gemv-tune`` times
-#: (the first is ``gemv_triton.DEFAULT_TILE``).
-GEMV_TUNE = [(16, 512, 4), (16, 256, 4), (8, 256, 4), (16, 512, 8), (32, 512, 8),
-             (8, 512, 2), (8, 1024, 4), (16, 1024, 8), (32, 256, 4), (4, 1024, 2),
-             (64, 256, 8), (32, 1024, 8)]
+#: (block_n, block_k, num_warps, partial) of ``gemv_triton.fp8_gemv`` that ``--gemv-tune``
+#: times (the first is ``gemv_triton.DEFAULT_TILE`` without partial sums; ``partial``:
+#: ``gemv_triton.PARTIAL_ENABLED``'s form, a label ending ``_part``).
+GEMV_TUNE = [(16, 512, 4, False), (16, 256, 4, False), (8, 256, 4, False),
+             (16, 512, 8, False), (32, 512, 8, False), (8, 512, 2, False),
+             (8, 1024, 4, False), (16, 1024, 8, False), (32, 256, 4, False),
+             (16, 512, 4, True), (16, 1024, 4, True), (32, 512, 4, True), (32, 1024, 8, True),
+             (8, 512, 2, True), (16, 256, 4, True)]
 
 
 def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
@@ -274,7 +277,7 @@ def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
     from chunklocal.models import gemv_triton, moe_triton
     from chunklocal.models.quant_triton import quantize_rows
 
-    configs = GEMV_TUNE[:2] if smoke else GEMV_TUNE
+    configs = [GEMV_TUNE[0], GEMV_TUNE[-1]] if smoke else GEMV_TUNE
     for name, m, x, w, s, offs, nbytes in scout_cells(device, ms, smoke):
         group_rows = m if offs is None else -(-m // w.shape[0])
         tile = tuned(offs is not None, *w.shape[1:])
@@ -282,12 +285,12 @@ def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
                      x, w, s, o, gemv=False),
                  "split_tuned": lambda x=x, w=w, s=s, o=offs, t=tile:
                      moe_triton.fp8_grouped_mm_small(x, w, s, o, gemv=False, **t)}
-        for bn, bk, warps in configs:
-            def fn(x=x, w=w, s=s, o=offs, bn=bn, bk=bk, warps=warps):
+        for bn, bk, warps, part in configs:
+            def fn(x=x, w=w, s=s, o=offs, bn=bn, bk=bk, warps=warps, part=part):
                 xq, xs = quantize_rows(x)
                 return gemv_triton.fp8_gemv(xq, xs, x.dtype, w, s, o, block_n=bn,
-                                            block_k=bk, num_warps=warps)
-            paths[f"gemv_bn{bn}_bk{bk}_w{warps}"] = fn
+                                            block_k=bk, num_warps=warps, partial=part)
+            paths[f"gemv_bn{bn}_bk{bk}_w{warps}{'_part' if part else ''}"] = fn
         row = cell(name, m, nbytes, paths, device, copy_rate)
         gemvs = {label: row[f"{label}_us"] for label in paths if label.startswith("gemv")}
         best = min(gemvs, key=gemvs.get)

@@ -67,7 +67,8 @@ def run_in_interpreter(script: str) -> None:
                    "CHUNKLOCAL_FP8_SPLITK_SUM", "CHUNKLOCAL_MOE_ROUTE_TRITON",
                    "CHUNKLOCAL_MOE_ROUTE_FUSED", "CHUNKLOCAL_MOE_ROUTE_WIDE",
                    "CHUNKLOCAL_MOE_ROUTER_IN_KERNEL", "CHUNKLOCAL_FP8_GEMV",
-                   "CHUNKLOCAL_FP8_GEMV_MAX_ROWS", "CHUNKLOCAL_GEMV_LINEAR"):
+                   "CHUNKLOCAL_FP8_GEMV_MAX_ROWS", "CHUNKLOCAL_GEMV_LINEAR",
+                   "CHUNKLOCAL_GEMV_PARTIAL"):
         env.pop(switch, None)  # the scripts check the switches' defaults
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests,
                          capture_output=True, text=True, timeout=600)
@@ -327,7 +328,8 @@ GEMV_SCRIPT = textwrap.dedent("""
             x = rows_like_fp8(m, k)
             sizes = torch.diff(offs, prepend=offs[:1] * 0)
             experts = torch.repeat_interleave(torch.arange(e), sizes)
-            for tile in ({}, dict(block_n=8, block_k=32, num_warps=2)):
+            for tile in ({}, dict(block_n=8, block_k=32, num_warps=2), dict(partial=True),
+                         dict(block_n=8, block_k=32, num_warps=2, partial=True)):
                 xq, xs = quantize_per_token(x, None)
                 got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w, w_scale, offs, **tile)
                 assert got.shape == (m, n) and got.dtype == torch.float32
@@ -413,6 +415,12 @@ GEMV16_SCRIPT = textwrap.dedent("""
         want = x.double() @ w.double().T
         assert got.shape == (1, n) and got.dtype == x.dtype
         assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
+    # the partial sums' form (gemv_triton.PARTIAL_ENABLED, off by default)
+    assert not gemv_triton.PARTIAL_ENABLED
+    gemv_triton.PARTIAL_ENABLED = True
+    got = gemv_triton.gemv16(x, w)
+    assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
+    gemv_triton.PARTIAL_ENABLED = False
     # linear's dispatch: off by default; on, one row of a plain nn.Linear without bias only
     calls, real = [], gemv_triton.gemv16
     gemv_triton.gemv16 = lambda *a: calls.append(tuple(a[1].shape)) or real(*a)

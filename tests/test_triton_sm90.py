@@ -151,7 +151,7 @@ def test_fp8_split_k_kernel_every_form(recorded, reduce, slots):
     compile_all(recorded["_quantize_rows_kernel"], 2)
 
 
-def test_gemv_kernel_every_form(recorded):
+def test_gemv_kernel_every_form(recorded, monkeypatch):
     """The GEMV on Scout's expert shapes (17 groups with the shared one) at a batch-1 step,
     through fp8_grouped_mm_small's dispatch with rows quantized by the kernel or coming
     quantized; a masked tile; the dense form."""
@@ -170,14 +170,19 @@ def test_gemv_kernel_every_form(recorded):
     # the 16-bit form (gemv16, off by default): Scout's fused q/k/v and a masked LM head
     for n in (7168, 1000):
         gemv_triton.gemv16(torch.empty(1, 5120, dtype=BF16), torch.empty(n, 5120, dtype=BF16))
+    # the partial sums' form (off by default), e4m3 and 16-bit
+    gemv_triton.fp8_gemv(rows.q, rows.scale, BF16, w[:, :, :5120], scale, offs, partial=True)
+    monkeypatch.setattr(gemv_triton, "PARTIAL_ENABLED", True)
+    gemv_triton.gemv16(torch.empty(1, 5120, dtype=BF16), torch.empty(7168, 5120, dtype=BF16))
     launches = recorded["_gemv_kernel"].launches
-    assert [kw["EVEN_K"] for _, _, kw in launches] == [True, True, True, False, True, True,
-                                                       True]
-    assert [kw["HAS_OFFS"] for _, _, kw in launches] == [True, True, True, False, False,
-                                                         False, False]
-    assert [kw["SCALED"] for _, _, kw in launches] == [True] * 5 + [False] * 2
+    assert [kw["EVEN_K"] for _, _, kw in launches] == [True] * 3 + [False] + [True] * 5
+    assert [kw["HAS_OFFS"] for _, _, kw in launches] == [True] * 3 + [False] * 4 + [
+        True, False]
+    assert [kw["SCALED"] for _, _, kw in launches] == [True] * 5 + [False] * 2 + [True, False]
+    assert [(kw["PARTIAL"], kw["GROUP"]) for _, _, kw in launches][-3:] == [
+        (False, 8), (True, 16), (True, 8)]
     assert recorded["_fp8_splitk_kernel"].launches == []
-    compile_all(recorded["_gemv_kernel"], 7)
+    compile_all(recorded["_gemv_kernel"], 9)
 
 
 def test_split_k_sum_kernel(recorded):

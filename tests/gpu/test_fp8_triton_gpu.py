@@ -217,11 +217,16 @@ def test_split_k_sum_is_the_slice_order_sum_rounded_once(splits):
                               "batch-16-shared"])
 @pytest.mark.parametrize("ub", [None, 2.0])
 @pytest.mark.parametrize("n,k", [(320, 8192), (1000, 5000)], ids=["scout-k", "masked"])
-def test_gemv_equals_cpu_reference(sizes, ub, n, k):
+@pytest.mark.parametrize("partial", [False, True], ids=["elementwise", "partial"])
+def test_gemv_equals_cpu_reference(monkeypatch, sizes, ub, n, k, partial):
     """gemv_triton.fp8_gemv (on by default for one row a group) against the CPU's
     fake-quantized reference on random rows, as the split-K kernel is above: one row a
     group (a batch-1 step with the shared group last), groups of several rows (each row
-    re-reads the slab), masked tiles (N and K no multiples of the tile)."""
+    re-reads the slab), masked tiles (N and K no multiples of the tile); with and without
+    the partial sums (gemv_triton.PARTIAL_ENABLED, off by default)."""
+    from chunklocal.models import gemv_triton
+
+    monkeypatch.setattr(gemv_triton, "PARTIAL_ENABLED", partial)
     e = len(sizes)
     w, scale = fp8_weights(e, n, k, seed=e + 21)
     x = bf16_rows(sum(sizes), k, seed=7)
@@ -258,12 +263,14 @@ def test_gemv_replays_in_a_cuda_graph_with_new_routing():
 
 @pytest.mark.parametrize("n,k", [(7168, 5120), (5120, 5120), (1000, 5000)],
                          ids=["scout-qkv", "scout-o", "masked"])
-def test_gemv16_equals_float64(n, k):
+@pytest.mark.parametrize("partial", [False, True], ids=["elementwise", "partial"])
+def test_gemv16_equals_float64(monkeypatch, n, k, partial):
     """gemv_triton.gemv16 (CHUNKLOCAL_GEMV_LINEAR, off by default): one bf16 row against
     float64 within bf16's rounding of the output plus float32 accumulation, eagerly and
     replayed from a CUDA graph (the same bits)."""
     from chunklocal.models import gemv_triton
 
+    monkeypatch.setattr(gemv_triton, "PARTIAL_ENABLED", partial)
     gen = torch.Generator().manual_seed(n)
     w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
     x = torch.randn(1, k, generator=gen).bfloat16()

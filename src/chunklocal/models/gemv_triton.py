@@ -55,6 +55,19 @@ MAX_ROWS = int(os.environ.get("CHUNKLOCAL_FP8_GEMV_MAX_ROWS", "1"))
 #: values, 64 a thread.  Within 5% of the fastest of 12 tiles on each of Scout's four FP8
 #: shapes at one row (H100, ``benchmarks/fp8_small_m.py --gemv-tune 1``).
 DEFAULT_TILE = (16, 512, 4)
+#: More weight bytes in flight per SM.  The H200's full-size batch-1 profile put the
+#: one-row GEMV at 67% of the copy rate (4.24 ms for about 12.1 GB; twenty-second session)
+#: where the H100 tune had it at 74-87% of the floor: a faster memory needs more bytes in
+#: flight than the default form's four programs an SM of one 8 KB tile each (its float32
+#: accumulator, one value per weight byte in flight, takes 120 registers a thread).
+#: With ``PARTIAL`` each thread adds the products of one 16-byte load (16 e4m3 or 8
+#: 16-bit weights) before accumulating (a reshape within the thread's registers, no
+#: shuffles): 64 registers, eight programs an SM, 64 KB in flight (sm_90 compile; the
+#: 16-bit form 67 registers, 112 KB).  Requesting the next K step's tile before this
+#: step's products instead took 133 registers (three programs, 48 KB).  Written after the
+#: device time, off until a GPU A/B measures it (``CHUNKLOCAL_GEMV_PARTIAL=1``;
+#: ``switch_ab --switches gemv_partial``; ``fp8_small_m --gemv-tune``'s ``_part`` columns).
+PARTIAL_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_PARTIAL", "0") == "1"
 
 
 def routed_slots(num_rows: int, num_experts: int) -> int:
@@ -103,7 +116,8 @@ if triton is not None:
                      stride_we, stride_wn, stride_se, stride_om, num_rows, num_experts,
                      SCALED: tl.constexpr, HAS_OFFS: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                     EXPERTS_POW2: tl.constexpr):
+                     EXPERTS_POW2: tl.constexpr, PARTIAL: tl.constexpr,
+                     GROUP: tl.constexpr):
         # SCALED: e4m3 rows and weights with their scales; else 16-bit ones (xs, ws unused)
         pid_n = tl.program_id(0)
         expert, start, end = group_span(offs_ptr, tl.program_id(1), num_rows, num_experts,
@@ -122,19 +136,25 @@ if triton is not None:
         for m in range(start, end):  # one row a pass; a second row re-reads the slab
             row_n = cols * 0 + m  # the row as a [BLOCK_N] block (the interpreter's masks)
             x_row = xq_ptr + tl.cast(m, tl.int64) * stride_xm
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            if PARTIAL:
+                acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 if EVEN_N and EVEN_K:
                     wk = tl.load(w_rows + (k0 + ks)[None, :])
                 else:
-                    k_ok = (k0 + k2d) < K
-                    wk = tl.load(w_rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok,
-                                 other=0.0)
+                    wk = tl.load(w_rows + (k0 + ks)[None, :],
+                                 mask=col_ok[:, None] & ((k0 + k2d) < K), other=0.0)
                 if EVEN_K:
                     xk = tl.load(x_row + k0 + k2d)
                 else:
                     xk = tl.load(x_row + k0 + k2d, mask=(k0 + k2d) < K, other=0.0)
-                acc += wk.to(tl.float32) * xk.to(tl.float32)
+                prod = wk.to(tl.float32) * xk.to(tl.float32)
+                if PARTIAL:  # each thread's GROUP contiguous K values (one 16-byte load) first
+                    acc += tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2)
+                else:
+                    acc += prod
             total = tl.sum(acc, axis=1)
             if SCALED:
                 total = total * tl.load(xs_ptr + row_n) * w_scale
@@ -153,12 +173,14 @@ def takes(group_rows: int, forced: bool | None = None) -> bool:
 
 def fp8_gemv(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, w: torch.Tensor,
              w_scale: torch.Tensor, offs: torch.Tensor | None, *, block_n: int | None = None,
-             block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+             block_k: int | None = None, num_warps: int | None = None,
+             partial: bool | None = None) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of the quantized ``xq [M, K]`` (e4m3, per-row scales
     ``x_scale [M, 1]``) times ``w[e].T`` (``w [E, N, K]`` e4m3, ``w_scale [E, N]``) ->
     ``[M, N]`` in ``dtype``; ``offs`` None: one group of every row (``E == 1``).  Right
     for any rows per group, fast at one (a group's second row re-reads its slab).  Rows
-    past ``offs[-1]`` are unspecified.  The tile defaults to :data:`DEFAULT_TILE`."""
+    past ``offs[-1]`` are unspecified.  The tile defaults to :data:`DEFAULT_TILE`;
+    ``partial`` None: :data:`PARTIAL_ENABLED`."""
     if triton is None:
         raise RuntimeError("fp8_gemv needs Triton")
     num_rows, k_dim = xq.shape
@@ -171,11 +193,12 @@ def fp8_gemv(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, w: tor
     block_k = DEFAULT_TILE[1] if block_k is None else block_k
     num_warps = DEFAULT_TILE[2] if num_warps is None else num_warps
     out = torch.empty(num_rows, n_dim, dtype=dtype, device=xq.device)
-    _launch(xq, x_scale, w, w_scale, offs, out, True, block_n, block_k, num_warps)
+    _launch(xq, x_scale, w, w_scale, offs, out, True, block_n, block_k, num_warps, partial)
     return out
 
 
-def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_warps):
+def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_warps,
+            partial=None):
     num_rows, k_dim = x.shape
     num_experts, n_dim, _ = w.shape
     slots = 1 if offs is None else routed_slots(num_rows, num_experts)
@@ -185,7 +208,9 @@ def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_war
         w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0), num_rows, num_experts,
         SCALED=scaled, HAS_OFFS=offs is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n_dim % block_n == 0, EVEN_K=k_dim % block_k == 0,
-        EXPERTS_POW2=triton.next_power_of_2(num_experts), num_warps=num_warps)
+        EXPERTS_POW2=triton.next_power_of_2(num_experts),
+        PARTIAL=PARTIAL_ENABLED if partial is None else partial,
+        GROUP=16 // w.element_size(), num_warps=num_warps)  # GROUP: a 16-byte load's weights
 
 
 #: Whether :func:`linear` runs a plain 16-bit ``nn.Linear`` of one row (a batch-1 decode
