@@ -643,3 +643,12 @@ def test_fp8_quantization_kernel_in_interpreter():
     quantizable rows, several loads per row, the amax floor and cap), and
     quantize_per_token dispatches to it only when switched on and without amax_reduce."""
     run_in_interpreter(QUANT_SCRIPT)
+
+
+def test_gemv_row_limit_variable_is_checked_at_import():
+    """CHUNKLOCAL_FP8_GEMV_MAX_ROWS that is no whole number is refused naming itself."""
+    env = dict(os.environ, CHUNKLOCAL_FP8_GEMV_MAX_ROWS="two")
+    run = subprocess.run([sys.executable, "-c", "import chunklocal.models.gemv_triton"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "CHUNKLOCAL_FP8_GEMV_MAX_ROWS='two': expected a whole number" in run.stderr

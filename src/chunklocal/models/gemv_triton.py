@@ -17,10 +17,13 @@ multiplies them with the row's e4m3 values (float32 products, exact), accumulati
 elementwise in registers and reducing along K once at the end; then both scales, one
 rounding to x's dtype.  A group of several rows takes them one at a time, re-reading its
 slab.  On the H100 one row a group ran 1.3-1.44x faster than the split-K kernel on each of
-Scout's four FP8 shapes and a batch-1 step of 12 layers 0.94x (BENCHMARKS.md, twenty-second
-session).  The grid holds one slot per group that can have rows
-(:func:`routed_slots`); slot j finds the j-th group with rows by a prefix sum over
-``offs`` (:func:`group_span`), so the 15 unrouted experts of a batch-1 step launch nothing.
+Scout's four FP8 shapes and a batch-1 step of 12 layers 0.94x; on the H200 full-size
+Scout's batch-1 graph replay took 7.62 ms against 7.98 with the split-K kernel (the
+rounds' spreads touching), the GEMV at 67% of the copy rate (BENCHMARKS.md, twenty-second
+session; :data:`PARTIAL_ENABLED` is the next step).  The grid holds one slot per group
+that can have rows (:func:`routed_slots`); slot j finds the j-th group with rows by a
+prefix sum over ``offs`` (:func:`group_span`), so the 15 unrouted experts of a batch-1
+step launch nothing.
 
 The result is the split-K kernel's up to float32 summation order (the products are the
 same exact float32 values; both round once to x's dtype).
@@ -50,7 +53,14 @@ GEMV_ENABLED = os.environ.get("CHUNKLOCAL_FP8_GEMV", "1") == "1"
 #: 4 rows a pass, one accumulator each, and lost to the split-K kernel on the H100 at 2
 #: rows (1.12x a 12-layer step) and 4 (1.69x): each row's bytes loaded as a full tile
 #: (BENCHMARKS.md, twenty-second session).
-MAX_ROWS = int(os.environ.get("CHUNKLOCAL_FP8_GEMV_MAX_ROWS", "1"))
+def _env_rows(name: str, default: str) -> int:
+    value = os.environ.get(name, default)
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r}: expected a whole number of rows")
+    return int(value)
+
+
+MAX_ROWS = _env_rows("CHUNKLOCAL_FP8_GEMV_MAX_ROWS", "1")
 #: ``(block_n, block_k, num_warps)``: the accumulator holds ``block_n x block_k`` float32
 #: values, 64 a thread.  Within 5% of the fastest of 12 tiles on each of Scout's four FP8
 #: shapes at one row (H100, ``benchmarks/fp8_small_m.py --gemv-tune 1``).
