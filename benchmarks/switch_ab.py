@@ -12,12 +12,13 @@ fifteenth session's single runs of one tree moved by up to 9%) does not decide: 
 inside the spread of the repeats is reported as such.
 
     python -m benchmarks.switch_ab --model scout-fp8 --batch 1 --repeats 5 \\
-        --switches reduce slots gather silu kv16 shared
+        --switches reduce slots gather silu kv16 shared gemv16+gemv_partial
     python -m benchmarks.switch_ab --smoke          # CPU: eager steps, checks the logic
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import statistics
@@ -78,8 +79,26 @@ def moe_layers(llm) -> list:
     return [m for m in llm.model.modules() if isinstance(m, MoE)]
 
 
+def switch_names(value: str) -> str:
+    """argparse type of ``--switches``: a switch, or switches joined by ``+`` flipped
+    together in one variant (``gemv16+gemv_partial``)."""
+    known = SWITCHES | LAYER_SWITCHES
+    parts = value.split("+")
+    unknown = [p for p in parts if p not in known]
+    if unknown or len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: each of {unknown or parts} must be one of {', '.join(sorted(known))}, "
+            "once")
+    return value
+
+
 def flip(llm, name: str):
-    """Flip switch ``name`` on the loaded engine; returns what puts it back."""
+    """Flip switch ``name`` on the loaded engine (each of ``a+b``'s, together); returns
+    what puts it back."""
+    if "+" in name:
+        restores = [flip(llm, part) for part in name.split("+")]
+        FLIPPED[name] = " ".join(FLIPPED[part] for part in name.split("+"))
+        return lambda: [restore() for restore in reversed(restores)]
     if name in LAYER_SWITCHES:
         attr, on = LAYER_SWITCHES[name]
         layers = moe_layers(llm)
@@ -168,8 +187,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--switches", nargs="+", choices=sorted(SWITCHES | LAYER_SWITCHES),
-                        default=["reduce", "slots"])
+    parser.add_argument("--switches", nargs="+", type=switch_names, default=["reduce", "slots"],
+                        help="variants, each one switch or several joined by '+' flipped "
+                             f"together; switches: {', '.join(sorted(SWITCHES | LAYER_SWITCHES))}")
     args = parser.parse_args(argv)
     args.repeats = 5 if args.repeats is None else args.repeats  # rounds (base_parser's flag)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -186,7 +206,7 @@ def main(argv=None) -> int:
     name = "switch_ab_smoke" if args.smoke else "switch_ab"
     with tempfile.TemporaryDirectory() as tmp, floors.BalancedRouting():
         path = decode_floor.write_config(Path(tmp) / args.model, args.model)
-        with stacked_shared("shared" in names):
+        with stacked_shared(any("shared" in n.split("+") for n in names)):
             llm = decode_floor.make_llm_with_kv(path, device, args.batch, max_model_len)
         try:
             fitted = decode_floor.fill(llm, args.batch, args.context, new)

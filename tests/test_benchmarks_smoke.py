@@ -519,6 +519,36 @@ def test_switch_ab_smoke(tmp_path, monkeypatch):
     assert all(r["floor_ms"] > 0 and r["step_ms_median"] > 0 for r in rows)
 
 
+def test_switch_ab_flips_joined_switches_together(tmp_path, monkeypatch):
+    """``a+b``: one variant with both switches flipped, both put back after each round;
+    an unknown or repeated part is refused by name before any engine loads."""
+    from benchmarks import switch_ab
+    from chunklocal.engine.model_runner import ModelRunner
+    from chunklocal.models import kv_write_triton, norm_triton
+
+    before = (norm_triton.NORM_ENABLED, kv_write_triton.KV_WRITE_16BIT_ENABLED)
+    seen, real_timed = [], switch_ab.timed
+
+    def recording(llm, steps, device):
+        seen.append((norm_triton.NORM_ENABLED, kv_write_triton.KV_WRITE_16BIT_ENABLED))
+        return real_timed(llm, steps, device)
+
+    monkeypatch.setattr(switch_ab, "timed", recording)
+    monkeypatch.setattr(ModelRunner, "recapture_graphs", lambda self: None)
+    assert switch_ab.main(["--smoke", "--switches", "norm+kv16", "--out",
+                           str(tmp_path)]) == 0
+    norm, kv16 = before
+    assert seen == [(norm, kv16), (not norm, not kv16)] * 2
+    assert (norm_triton.NORM_ENABLED, kv_write_triton.KV_WRITE_16BIT_ENABLED) == before
+    rows = _load(tmp_path / "switch_ab_smoke.json")["rows"]
+    assert [r["variant"] for r in rows] == ["defaults", "norm+kv16"]
+    assert rows[1]["switch"] == (f"norm_triton.NORM_ENABLED={not norm} "
+                                 f"kv_write_triton.KV_WRITE_16BIT_ENABLED={not kv16}")
+    for bad in ("norm+nope", "norm+norm"):
+        with pytest.raises(SystemExit):
+            switch_ab.main(["--smoke", "--switches", bad])
+
+
 def test_switch_ab_flips_the_shared_expert_group_on_every_moe_layer(tmp_path, monkeypatch):
     """The "shared" switch: the engine loads with the shared expert stacked into the
     experts (and the module setting is put back after loading), its defaults run the slot
