@@ -265,7 +265,10 @@ GEMV_TUNE = [(16, 512, 4, False), (16, 256, 4, False), (8, 256, 4, False),
              (16, 512, 8, False), (32, 512, 8, False), (8, 512, 2, False),
              (8, 1024, 4, False), (16, 1024, 8, False), (32, 256, 4, False),
              (16, 512, 4, True), (16, 1024, 4, True), (32, 512, 4, True), (32, 1024, 8, True),
-             (8, 512, 2, True), (16, 256, 4, True)]
+             (8, 512, 2, True), (16, 256, 4, True),
+             # one weight row a warp: each row's bytes converted once a thread, not once for
+             # every weight row the thread holds (sm_90 compile: 48-64 registers)
+             (4, 1024, 4, True), (4, 2048, 4, True), (8, 2048, 8, True)]
 
 
 def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:

@@ -74,7 +74,11 @@ DEFAULT_TILE = (16, 512, 4)
 #: 16-bit weights) before accumulating (a reshape within the thread's registers, no
 #: shuffles): 64 registers, eight programs an SM, 64 KB in flight (sm_90 compile; the
 #: 16-bit form 67 registers, 112 KB).  Requesting the next K step's tile before this
-#: step's products instead took 133 registers (three programs, 48 KB).  Written after the
+#: step's products instead took 133 registers (three programs, 48 KB).  The conversions may
+#: bind as much as the bytes: each weight byte takes an e4m3 -> f16 -> f32 conversion, and
+#: at the default tile each thread converts the row's bytes again for each of its four
+#: weight rows; tiles of one weight row a warp (``block_n == num_warps``) convert them once
+#: (``fp8_small_m``'s tune list has them).  Written after the
 #: device time, off until a GPU A/B measures it (``CHUNKLOCAL_GEMV_PARTIAL=1``;
 #: ``switch_ab --switches gemv_partial``; ``fp8_small_m --gemv-tune``'s ``_part`` columns).
 PARTIAL_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_PARTIAL", "0") == "1"
