@@ -25,14 +25,16 @@ Two parts, one run (GPU):
 
     python -m benchmarks.fp8_small_m --out OUT [--engine-batches 1 16 64]
         [--engine-paths unfused torch quant triton defaults tail reduce slots slots_reduce]
-        [--sweep 1 16 64] [--tune 1 16] [--gemv-tune 1 2 4 16 32]
+        [--sweep 1 16 64] [--tune 1 16] [--gemv-tune 1 2 4 16 32] [--gemv16-tune]
 
 ``--sweep`` times the split-K kernel's tile width and split choices; ``--tune`` its tile
 width, K-step, warps and pipeline stages (``TUNE``) at the automatic split, each row with
 the fastest choice and its speed-up over the defaults (a choice that does not fit the
 SM's shared memory is recorded as such and skipped); ``--gemv-tune`` times
 ``gemv_triton.fp8_gemv``'s tiles (``GEMV_TUNE``) beside the split-K kernel where every
-group has few rows (``gemv_triton.MAX_ROWS`` is where the engine takes it).
+group has few rows (``gemv_triton.MAX_ROWS`` is where the engine takes it);
+``--gemv16-tune`` times its 16-bit form (``gemv_triton.gemv16``) beside cuBLAS on Scout's
+one-row bf16 projections.
 """
 
 from __future__ import annotations
@@ -303,6 +305,39 @@ def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
         save()
 
 
+#: Scout's one-row 16-bit projections ``(N, K)``: the fused q/k/v, o_proj, the LM head.
+BF16_SHAPES = {"qkv": (7168, 5120), "o_proj": (5120, 5120), "lm_head": (202048, 5120)}
+
+
+def gemv16_tune_rows(rows, device, copy_rate, smoke, save) -> None:
+    """One bf16 row through cuBLAS (``F.linear``, split-K and its reduce at M = 1) beside
+    ``gemv_triton.gemv16`` at each GEMV_TUNE tile, Scout's three 16-bit projections;
+    per shape the fastest tile and cuBLAS over it, saved shape by shape."""
+    import torch.nn.functional as F
+
+    from chunklocal.models import gemv_triton
+
+    configs = [GEMV_TUNE[0], GEMV_TUNE[-1]] if smoke else GEMV_TUNE
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter
+    for name, (n, k) in BF16_SHAPES.items():
+        n, k = (n // 64, k // 64) if smoke else (n, k)
+        gen = torch.Generator(device=device).manual_seed(n)
+        w = torch.randn(n, k, device=device, generator=gen).mul_(k ** -0.5).to(dtype)
+        x = torch.randn(1, k, device=device, generator=gen).to(dtype)
+        paths = {"cublas": lambda x=x, w=w: F.linear(x, w)}
+        for bn, bk, warps, part in configs:
+            paths[f"gemv_bn{bn}_bk{bk}_w{warps}{'_part' if part else ''}"] = (
+                lambda x=x, w=w, bn=bn, bk=bk, warps=warps, part=part: gemv_triton.gemv16(
+                    x, w, block_n=bn, block_k=bk, num_warps=warps, partial=part))
+        row = cell(f"bf16 {name}", 1, n * k * 2 + (k + n) * 2, paths, device, copy_rate)
+        gemvs = {label: row[f"{label}_us"] for label in paths if label.startswith("gemv")}
+        best = min(gemvs, key=gemvs.get)
+        row.update(best=best, best_share=row[f"{best}_share"],
+                   cublas_over_best=row["cublas_us"] / gemvs[best])
+        rows.append(row)
+        save()
+
+
 #: Engine variants: (FUSE_PROJECTIONS, the FP8 GEMM kernel, the quantization kernel, the
 #: elementwise-tail kernels of models/norm_triton.py, the FP8 kernel adding its K-slices
 #: itself: moe_triton.SPLITK_REDUCE_IN_KERNEL, its grid of routed experts only:
@@ -385,6 +420,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gemv-tune", type=int, nargs="*", default=None, metavar="ROWS",
                         help="also time gemv_triton.fp8_gemv at every GEMV_TUNE tile beside "
                              "the split-K kernel for these row counts (e.g. --gemv-tune 1 2 4)")
+    parser.add_argument("--gemv16-tune", action="store_true",
+                        help="also time gemv_triton.gemv16 at every GEMV_TUNE tile beside "
+                             "cuBLAS on Scout's one-row bf16 projections")
     parser.add_argument("--engine-paths", nargs="+", choices=sorted(ENGINE_PATHS),
                         default=["defaults", "tail"],
                         help="engine variants, in order (ENGINE_PATHS): unfused projections, "
@@ -416,6 +454,9 @@ def main(argv=None) -> int:
         payload["gemv_tune"] = []
         gemv_tune_rows(payload["gemv_tune"], device, copy_rate, args.gemv_tune, args.smoke,
                        save)
+    if args.gemv16_tune and moe_triton_available(device):
+        payload["gemv16_tune"] = []
+        gemv16_tune_rows(payload["gemv16_tune"], device, copy_rate, args.smoke, save)
     if device.type == "cuda" and args.engine_batches:
         from benchmarks.common import measure_matmul_flops
 

@@ -197,7 +197,7 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
 
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "benchmarks.fp8_small_m", "--smoke",
-                          "--sweep", "2", "--tune", "2", "--gemv-tune", "2", "5",
+                          "--sweep", "2", "--tune", "2", "--gemv-tune", "2", "5", "--gemv16-tune",
                           "--engine-batches", "--out",
                           str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600,
@@ -227,6 +227,11 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
         for g in ("dense gate_up", "dense down", "experts w13", "experts w2") for m in (2, 5)]
     assert all({"split_us", "split_tuned_us", "split_over_best"} <= set(r) and
                r["best"].startswith("gemv_bn") for r in gemv)
+    # --gemv16-tune: the three one-row bf16 projections, cuBLAS beside the 16-bit GEMV
+    gemv16 = data["gemv16_tune"]
+    assert [r["gemm"] for r in gemv16] == ["bf16 qkv", "bf16 o_proj", "bf16 lm_head"]
+    assert all({"cublas_us", "cublas_over_best"} <= set(r) and r["best"].startswith("gemv_bn")
+               for r in gemv16)
 
 
 def test_gc_pauses_smoke(tmp_path, monkeypatch):

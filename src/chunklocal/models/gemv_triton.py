@@ -235,17 +235,22 @@ def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_war
 LINEAR_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_LINEAR", "0") == "1"
 
 
-def gemv16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemv16(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = None,
+           block_k: int | None = None, num_warps: int | None = None,
+           partial: bool | None = None) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` for 16-bit ``x`` and ``w`` of one dtype, float32 sums,
-    one rounding: :func:`fp8_gemv`'s kernel without scales (M = 1 is its case)."""
+    one rounding: :func:`fp8_gemv`'s kernel without scales (M = 1 is its case), with its
+    tile keywords."""
     if triton is None:
         raise RuntimeError("gemv16 needs Triton")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("gemv16 needs x and w contiguous along K")
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps = DEFAULT_TILE
+    block_n = DEFAULT_TILE[0] if block_n is None else block_n
+    block_k = DEFAULT_TILE[1] if block_k is None else block_k
+    num_warps = DEFAULT_TILE[2] if num_warps is None else num_warps
     _launch(x, x, w.unsqueeze(0), w.unsqueeze(0), None, out, False, block_n, block_k,
-            num_warps)
+            num_warps, partial)
     return out
 
 
