@@ -273,6 +273,25 @@ GEMV_TUNE = [(16, 512, 4, False), (16, 256, 4, False), (8, 256, 4, False),
              (4, 1024, 4, True), (4, 2048, 4, True), (8, 2048, 8, True)]
 
 
+def gemv_label(tile) -> str:
+    bn, bk, warps, part = tile
+    return f"gemv_bn{bn}_bk{bk}_w{warps}{'_part' if part else ''}"
+
+
+def gemv_keywords(tile) -> dict:
+    """A GEMV_TUNE entry as ``fp8_gemv`` / ``gemv16``'s tile keywords."""
+    return dict(zip(("block_n", "block_k", "num_warps", "partial"), tile, strict=True))
+
+
+def best_gemv(row: dict, paths: dict, baseline: str) -> dict:
+    """The fastest GEMV tile of a timed row, its share of the floor, and ``baseline``'s
+    time over it (``<baseline>_over_best``)."""
+    gemvs = {label: row[f"{label}_us"] for label in paths if label.startswith("gemv")}
+    best = min(gemvs, key=gemvs.get)
+    return {"best": best, "best_share": row[f"{best}_share"],
+            f"{baseline}_over_best": row[f"{baseline}_us"] / gemvs[best]}
+
+
 def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
     """``gemv_triton.fp8_gemv`` (rows quantized by ``quant_triton``'s kernel first, as
     ``fp8_grouped_mm_small`` does) at each GEMV_TUNE tile beside the split-K kernel at its
@@ -290,17 +309,13 @@ def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
                      x, w, s, o, gemv=False),
                  "split_tuned": lambda x=x, w=w, s=s, o=offs, t=tile:
                      moe_triton.fp8_grouped_mm_small(x, w, s, o, gemv=False, **t)}
-        for bn, bk, warps, part in configs:
-            def fn(x=x, w=w, s=s, o=offs, bn=bn, bk=bk, warps=warps, part=part):
+        for tile in configs:
+            def fn(x=x, w=w, s=s, o=offs, tile=tile):
                 xq, xs = quantize_rows(x)
-                return gemv_triton.fp8_gemv(xq, xs, x.dtype, w, s, o, block_n=bn,
-                                            block_k=bk, num_warps=warps, partial=part)
-            paths[f"gemv_bn{bn}_bk{bk}_w{warps}{'_part' if part else ''}"] = fn
+                return gemv_triton.fp8_gemv(xq, xs, x.dtype, w, s, o, **gemv_keywords(tile))
+            paths[gemv_label(tile)] = fn
         row = cell(name, m, nbytes, paths, device, copy_rate)
-        gemvs = {label: row[f"{label}_us"] for label in paths if label.startswith("gemv")}
-        best = min(gemvs, key=gemvs.get)
-        row.update(group_rows=group_rows, best=best, best_share=row[f"{best}_share"],
-                   split_over_best=row["split_us"] / gemvs[best])
+        row.update(group_rows=group_rows, **best_gemv(row, paths, "split"))
         rows.append(row)
         save()
 
@@ -325,15 +340,11 @@ def gemv16_tune_rows(rows, device, copy_rate, smoke, save) -> None:
         w = torch.randn(n, k, device=device, generator=gen).mul_(k ** -0.5).to(dtype)
         x = torch.randn(1, k, device=device, generator=gen).to(dtype)
         paths = {"cublas": lambda x=x, w=w: F.linear(x, w)}
-        for bn, bk, warps, part in configs:
-            paths[f"gemv_bn{bn}_bk{bk}_w{warps}{'_part' if part else ''}"] = (
-                lambda x=x, w=w, bn=bn, bk=bk, warps=warps, part=part: gemv_triton.gemv16(
-                    x, w, block_n=bn, block_k=bk, num_warps=warps, partial=part))
+        for tile in configs:
+            paths[gemv_label(tile)] = lambda x=x, w=w, tile=tile: gemv_triton.gemv16(
+                x, w, **gemv_keywords(tile))
         row = cell(f"bf16 {name}", 1, n * k * 2 + (k + n) * 2, paths, device, copy_rate)
-        gemvs = {label: row[f"{label}_us"] for label in paths if label.startswith("gemv")}
-        best = min(gemvs, key=gemvs.get)
-        row.update(best=best, best_share=row[f"{best}_share"],
-                   cublas_over_best=row["cublas_us"] / gemvs[best])
+        row.update(best_gemv(row, paths, "cublas"))
         rows.append(row)
         save()
 

@@ -293,7 +293,6 @@ def test_fp8_kernel_launches_only_routed_experts():
 GEMV_SCRIPT = textwrap.dedent("""
     import torch
     from test_moe import fp8_experts, hf_moe, ours_from
-    from torch import nn
     from chunklocal.models import gemv_triton, moe_triton
     from chunklocal.models.moe import expert_mm
     from chunklocal.models.quant import FP8, dequantize, fp8_linear, quantize_per_token
@@ -461,10 +460,8 @@ def test_gemv16_and_its_linear_dispatch_in_interpreter():
 
 GATHER_QUANT_SCRIPT = textwrap.dedent("""
     import torch
-    from torch import nn
     from test_moe import fp8_experts, hf_moe, ours_from
     from chunklocal.models import moe as moe_mod, quant_triton
-    from chunklocal.models.quant import FP8
 
     gen = torch.Generator().manual_seed(7)
     # the kernel: gathered, scaled rows quantize to the bits of torch's product's (repeats,

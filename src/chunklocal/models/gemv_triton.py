@@ -197,22 +197,21 @@ def fp8_gemv(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, w: tor
     ``partial`` None: :data:`PARTIAL_ENABLED`."""
     if triton is None:
         raise RuntimeError("fp8_gemv needs Triton")
-    num_rows, k_dim = xq.shape
-    num_experts, n_dim, _ = w.shape
     if xq.stride(1) != 1 or w.stride(2) != 1 or w_scale.stride(1) != 1:
         raise ValueError("fp8_gemv needs xq, w and w_scale contiguous along K / N")
-    if offs is None and num_experts != 1:
-        raise ValueError(f"offs=None means one group, got {num_experts} experts")
-    block_n = DEFAULT_TILE[0] if block_n is None else block_n
-    block_k = DEFAULT_TILE[1] if block_k is None else block_k
-    num_warps = DEFAULT_TILE[2] if num_warps is None else num_warps
-    out = torch.empty(num_rows, n_dim, dtype=dtype, device=xq.device)
+    if offs is None and w.shape[0] != 1:
+        raise ValueError(f"offs=None means one group, got {w.shape[0]} experts")
+    out = torch.empty(xq.shape[0], w.shape[1], dtype=dtype, device=xq.device)
     _launch(xq, x_scale, w, w_scale, offs, out, True, block_n, block_k, num_warps, partial)
     return out
 
 
-def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_warps,
-            partial=None):
+def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_warps, partial):
+    """The kernel's one launch: the tile's None entries from :data:`DEFAULT_TILE`,
+    ``partial`` None from :data:`PARTIAL_ENABLED`."""
+    block_n = DEFAULT_TILE[0] if block_n is None else block_n
+    block_k = DEFAULT_TILE[1] if block_k is None else block_k
+    num_warps = DEFAULT_TILE[2] if num_warps is None else num_warps
     num_rows, k_dim = x.shape
     num_experts, n_dim, _ = w.shape
     slots = 1 if offs is None else routed_slots(num_rows, num_experts)
@@ -246,9 +245,6 @@ def gemv16(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None = None,
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("gemv16 needs x and w contiguous along K")
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    block_n = DEFAULT_TILE[0] if block_n is None else block_n
-    block_k = DEFAULT_TILE[1] if block_k is None else block_k
-    num_warps = DEFAULT_TILE[2] if num_warps is None else num_warps
     _launch(x, x, w.unsqueeze(0), w.unsqueeze(0), None, out, False, block_n, block_k,
             num_warps, partial)
     return out
