@@ -42,6 +42,7 @@ SWITCHES = {
     "fp8_gemm": ("chunklocal.models.moe_triton", "FP8_ENABLED"),
     "quant": ("chunklocal.models.quant_triton", "QUANT_ENABLED"),
     "quant1": ("chunklocal.models.quant_triton", "ONE_PASS_ENABLED"),
+    "pdl": ("chunklocal.models.quant_triton", "PDL_ENABLED"),
     "gather": ("chunklocal.models.moe", "GATHER_QUANT"),
     "silu": ("chunklocal.models.moe", "SILU_QUANT"),
     "kv_write": ("chunklocal.models.kv_write_triton", "KV_WRITE_ENABLED"),

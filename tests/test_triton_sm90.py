@@ -36,7 +36,7 @@ BF16 = torch.bfloat16
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
            torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64",
            torch.uint8: "*u8"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
 class Recorder:
@@ -218,6 +218,62 @@ def test_norm_and_rope_kernels(recorded):
     norm_triton.rope_norm_rows(x, freqs, 1e-6)
     norm_triton.rope_norm_rows(x, freqs, None)
     compile_all(recorded["_rope_norm_kernel"], 2)
+
+
+def launch_every_kernel():
+    """One launch of each of the package's kernels through its wrapper, at Scout's sizes."""
+    h, w1 = torch.zeros(1, 5120, dtype=BF16), torch.ones(5120, dtype=BF16)
+    quant_triton.quantize_rows(h)
+    w, scale = torch.zeros(17, 256, 5120, dtype=FP8), torch.ones(17, 256)
+    offs = torch.full((17,), 2, dtype=torch.int32)
+    moe_triton.fp8_grouped_mm_small(torch.zeros(2, 5120, dtype=BF16), w, scale, offs,
+                                    reduce_in_kernel=False)
+    moe_triton.fp8_grouped_mm_small(torch.zeros(2, 5120, dtype=BF16), w, scale, offs,
+                                    group_rows=1)
+    moe_triton.splitk_sum(torch.zeros(4, 1, 5120), BF16)
+    moe_triton.grouped_mm_small(torch.zeros(3, 512, dtype=BF16),
+                                torch.zeros(3, 256, 512, dtype=BF16), offs[:3])
+    kv = torch.zeros(1, 8, 128, dtype=BF16)
+    kv_write_triton.write_kv_fp8(*[torch.zeros(64, 8, 128, dtype=FP8) for _ in range(2)],
+                                 torch.arange(1), kv, kv, 0.5, 2.0)
+    norm_triton.add_rms_norm_rows(h, h, w1, 1e-5)
+    norm_triton.rope_norm_rows(torch.zeros(1, 48, 128, dtype=BF16),
+                               torch.polar(torch.ones(1, 64), torch.zeros(1, 64)), 1e-6, 40)
+    route_triton.sort_pairs(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=BF16),
+                            16, True)
+    route_triton.route_pairs(torch.zeros(1, 16, dtype=BF16), 16, True, BF16)
+    route_triton.combine_rows(torch.zeros(2, 5120, dtype=BF16),
+                              torch.zeros(2, dtype=torch.int64), 1, 2)
+    route_triton.route_pairs_from_x(h, torch.zeros(16, 5120, dtype=BF16), True)
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_every_kernel_with_and_without_pdl(recorded, monkeypatch, pdl):
+    """With ``quant_triton.PDL_ENABLED`` on a device that takes it, every kernel is
+    launched with ``launch_pdl`` and its sm_90 code waits on the kernel before it
+    (``griddepcontrol.wait``) and releases the next (``griddepcontrol.launch_dependents``);
+    with the switch off no kernel carries either."""
+    monkeypatch.setattr(quant_triton, "PDL_ENABLED", pdl)
+    monkeypatch.setattr(quant_triton, "pdl_supported", lambda x: True)
+    launch_every_kernel()
+    for name, recorder in recorded.items():
+        assert recorder.launches, name
+        _grid, args, kwargs = recorder.launches[-1]
+        assert kwargs["PDL"] is pdl and kwargs.get("launch_pdl", False) is pdl, name
+        kernel = compile_launch(recorder.fn, args, dict(kwargs))
+        ptx = kernel.asm["ptx"]
+        for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+            assert (op in ptx) is pdl, (name, op)
+        assert kernel.metadata.launch_pdl is pdl, name
+
+
+def test_pdl_needs_the_switch_and_a_device_that_takes_it(monkeypatch):
+    x = torch.zeros(1, 8, dtype=BF16)
+    assert quant_triton.pdl_args(x) == {"PDL": False}  # off by default
+    monkeypatch.setattr(quant_triton, "PDL_ENABLED", True)
+    assert quant_triton.pdl_args(x) == {"PDL": False}  # a CPU tensor
+    monkeypatch.setattr(quant_triton, "pdl_supported", lambda t: True)
+    assert quant_triton.pdl_args(x) == {"PDL": True, "launch_pdl": True}
 
 
 def test_every_kernel_of_the_package_is_compiled_here():

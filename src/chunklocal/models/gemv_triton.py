@@ -36,7 +36,10 @@ import os
 import torch
 from torch import nn
 
-from chunklocal.models.quant_triton import available, triton
+from chunklocal.models.quant_triton import available, pdl_args, triton
+
+if triton is not None:
+    from chunklocal.models.quant_triton import pdl_start
 
 if triton is not None:
     import triton.language as tl
@@ -131,8 +134,9 @@ if triton is not None:
                      SCALED: tl.constexpr, HAS_OFFS: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                      EXPERTS_POW2: tl.constexpr, PARTIAL: tl.constexpr,
-                     GROUP: tl.constexpr):
+                     GROUP: tl.constexpr, PDL: tl.constexpr):
         # SCALED: e4m3 rows and weights with their scales; else 16-bit ones (xs, ws unused)
+        pdl_start(PDL)
         pid_n = tl.program_id(0)
         expert, start, end = group_span(offs_ptr, tl.program_id(1), num_rows, num_experts,
                                         HAS_OFFS, True, EXPERTS_POW2)
@@ -223,7 +227,8 @@ def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_war
         EVEN_N=n_dim % block_n == 0, EVEN_K=k_dim % block_k == 0,
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         PARTIAL=PARTIAL_ENABLED if partial is None else partial,
-        GROUP=16 // w.element_size(), num_warps=num_warps)  # GROUP: a 16-byte load's weights
+        GROUP=16 // w.element_size(), num_warps=num_warps,  # GROUP: a 16-byte load's weights
+        **pdl_args(x))
 
 
 #: Whether :func:`linear` runs a plain 16-bit ``nn.Linear`` of one row (a batch-1 decode

@@ -32,10 +32,12 @@ import numpy as np
 import torch
 
 from chunklocal.kv_quant import FP8_MAX
-from chunklocal.models.quant_triton import available, triton
+from chunklocal.models.quant_triton import available, pdl_args, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from chunklocal.models.quant_triton import pdl_start
 
 #: The switch, read at import (``CHUNKLOCAL_KV_WRITE_TRITON=0`` turns it off).
 KV_WRITE_ENABLED = os.environ.get("CHUNKLOCAL_KV_WRITE_TRITON", "1") == "1"
@@ -81,7 +83,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["inv_k", "inv_v"])
     def _write_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, inv_k, inv_v, N,
                          stride_k, stride_v, QUANT: tl.constexpr, LIMIT: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -124,4 +127,4 @@ def _launch(flat_k, flat_v, slots, k, v, inverse_scales: tuple[float, float] | N
     inv_k, inv_v = inverse_scales or (1.0, 1.0)
     _write_kv_kernel[(rows,)](k, v, slots, flat_k, flat_v, inv_k, inv_v, n, k.stride(0),
                               v.stride(0), QUANT=inverse_scales is not None, LIMIT=FP8_MAX,
-                              BLOCK=triton.next_power_of_2(n))
+                              BLOCK=triton.next_power_of_2(n), **pdl_args(k))

@@ -30,12 +30,13 @@ import torch
 import chunklocal.models.gemv_triton as gemv_triton
 from chunklocal._validate import cdiv
 from chunklocal.models.gemv_triton import routed_slots
-from chunklocal.models.quant_triton import QuantRows, available, quantize_rows, triton
+from chunklocal.models.quant_triton import QuantRows, available, pdl_args, quantize_rows, triton
 
 if triton is not None:
     import triton.language as tl
 
     from chunklocal.models.gemv_triton import group_span
+    from chunklocal.models.quant_triton import pdl_start
 
 #: The FP8 kernel's switch, read at import; ``CHUNKLOCAL_FP8_TRITON=0`` turns it off (FP8
 #: layers of every size then go through torch's ``_scaled_mm`` / ``_scaled_grouped_mm``).
@@ -65,7 +66,8 @@ if triton is not None:
     def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, N, K,
                              stride_xm, stride_we, stride_wn, stride_om,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         pid_n = tl.program_id(0)
         expert = tl.program_id(1)
         end = tl.load(offs_ptr + expert)
@@ -99,7 +101,8 @@ if triton is not None:
                            HAS_OFFS: tl.constexpr, ROUTED_SLOTS: tl.constexpr,
                            REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EXPERTS_POW2: tl.constexpr):
+                           EXPERTS_POW2: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         slot = tl.program_id(2)  # ROUTED_SLOTS: the slot-th expert with rows, else expert slot
@@ -320,7 +323,7 @@ def fp8_grouped_mm_small(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: 
         part.stride(0), part.stride(1), out.stride(0), num_rows, num_experts,
         HAS_OFFS=offs is not None, ROUTED_SLOTS=compact, REDUCE=reduce, BLOCK_M=FP8_BLOCK_M,
         BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS_POW2=triton.next_power_of_2(num_experts),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(xq))
     if reduce:
         return out
     if direct:
@@ -343,7 +346,8 @@ SUM_BLOCK = 1024  # output elements per program
 if triton is not None:
     @triton.jit
     def _splitk_sum_kernel(part_ptr, out_ptr, numel, num_splits, stride_ps,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < numel
         total = tl.load(part_ptr + offs, mask=ok, other=0.0)
@@ -363,7 +367,8 @@ def splitk_sum(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     numel = out.numel()
     if numel:
         _splitk_sum_kernel[(triton.cdiv(numel, SUM_BLOCK),)](
-            part, out, numel, part.shape[0], part.stride(0), BLOCK=SUM_BLOCK, num_warps=4)
+            part, out, numel, part.shape[0], part.stride(0), BLOCK=SUM_BLOCK, num_warps=4,
+            **pdl_args(part))
     return out
 
 
@@ -389,5 +394,6 @@ def grouped_mm_small(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     grid = (triton.cdiv(n_dim, block_n), num_experts)
     _grouped_gemm_kernel[grid](x, w, out, offs, n_dim, k_dim, x.stride(0), w.stride(0),
                                w.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+                               BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+                               **pdl_args(x))
     return out

@@ -35,7 +35,10 @@ import os
 
 import torch
 
-from chunklocal.models.quant_triton import available, triton
+from chunklocal.models.quant_triton import available, pdl_args, triton
+
+if triton is not None:
+    from chunklocal.models.quant_triton import pdl_start
 
 if triton is not None:
     import triton.language as tl
@@ -55,7 +58,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["eps"])
     def _add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, eps, stride_h,
                              stride_r, stride_out, stride_sum, HAS_RES: tl.constexpr,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -91,7 +95,7 @@ def add_rms_norm_rows(h: torch.Tensor, residual: torch.Tensor | None, weight: to
         _add_rms_norm_kernel[(num_rows,)](
             h, r, weight, out, total, hidden, float(eps), h.stride(0), r.stride(0),
             out.stride(0), total.stride(0), HAS_RES=residual is not None, BLOCK=block,
-            num_warps=4 if block <= 2048 else 8)
+            num_warps=4 if block <= 2048 else 8, **pdl_args(h))
     return out, total
 
 
@@ -99,7 +103,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["eps"])
     def _rope_norm_kernel(x_ptr, f_ptr, out_ptr, out2_ptr, eps, split, stride_xt, stride_xh,
                           stride_ft, stride_ot, stride_oh, stride_o2t, stride_o2h,
-                          HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+                          HALF: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         pair = tl.arange(0, HALF) * 2
@@ -156,5 +161,6 @@ def rope_norm_rows(x: torch.Tensor, freqs_cis: torch.Tensor, eps: float | None,
         _rope_norm_kernel[(tokens, heads)](
             x, freqs, out, out2, 0.0 if eps is None else float(eps), first, x.stride(0),
             x.stride(1), freqs.stride(0), out.stride(0), out.stride(1), out2.stride(0),
-            out2.stride(1), HALF=head_dim // 2, HAS_NORM=eps is not None, num_warps=1)
+            out2.stride(1), HALF=head_dim // 2, HAS_NORM=eps is not None, num_warps=1,
+            **pdl_args(x))
     return out if split is None else (out, out2)

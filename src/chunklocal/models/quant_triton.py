@@ -19,6 +19,7 @@ cross-rank amax.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -68,12 +69,62 @@ ONE_PASS_ENABLED = os.environ.get("CHUNKLOCAL_FP8_QUANT_ONE_PASS", "0") == "1"
 ONE_PASS_MAX_K = 8192
 
 
+#: Programmatic dependent launch (sm_90 and later) for the Triton kernels of a decode step
+#: (``CHUNKLOCAL_PDL=1``; ``benchmarks/switch_ab.py --switches pdl``).  A batch-1 step of
+#: full-size Scout FP8 is about 870 launches, most a few microseconds long, and six in a
+#: row of each layer are ours (the routing, the rows' quantization, the two expert GEMMs,
+#: the SiLU's quantization, the combine, then the next layer's norm): each waited for the
+#: one before it to drain before its programs were even dispatched.  Launched with PDL, a
+#: kernel's programs are dispatched while its predecessor runs (once every program of the
+#: predecessor has passed :func:`pdl_start`), and wait there -- before any load or store --
+#: until the predecessor has finished and its writes are visible; so every kernel that
+#: takes the attribute calls :func:`pdl_start` first, in every program, and a kernel's
+#: completion still implies its predecessors'.  FlashInfer's decode kernels launch this way
+#: on sm_90 already.  Results are the same bits either way; off until a GPU A/B measures it.
+PDL_ENABLED = os.environ.get("CHUNKLOCAL_PDL", "0") == "1"
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no Triton, or one without grid dependency control
+    gdc_wait = gdc_launch_dependents = None
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_supported(x: torch.Tensor) -> bool:
+    """A launch on ``x``'s device can take PDL: a CUDA device of sm_90 or later, a Triton
+    with grid dependency control, not Triton's interpreter."""
+    if gdc_wait is None or not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _pdl_device(torch.cuda.current_device() if x.device.index is None
+                       else x.device.index)
+
+
+def pdl_args(x: torch.Tensor) -> dict:
+    """A launch's keywords for :data:`PDL_ENABLED`: the kernel's ``PDL`` constexpr (it
+    calls :func:`pdl_start`) and Triton's ``launch_pdl``, both on where the switch is on
+    and :func:`pdl_supported`."""
+    if PDL_ENABLED and pdl_supported(x):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
 def quant_available(x: torch.Tensor) -> bool:
     """:func:`quantize_rows` runs on ``x`` and is switched on."""
     return QUANT_ENABLED and available(x) and x.dim() == 2 and x.stride(-1) == 1
 
 
 if triton is not None:
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """A PDL kernel's first statement (:data:`PDL_ENABLED`): wait until the kernel
+        before it has finished, then let the next one's programs be dispatched."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
     @triton.jit
     def _quantize_rows_load(x_row, k, K, row_scale, GATHER: tl.constexpr,
                             SILU_MUL: tl.constexpr):
@@ -95,7 +146,8 @@ if triton is not None:
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, rs_ptr, K, scale_ub, stride_xm,
                               stride_qm, HAS_UB: tl.constexpr, GATHER: tl.constexpr,
                               SILU_MUL: tl.constexpr, ONE_PASS: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         if GATHER:
@@ -189,5 +241,6 @@ def _quantize(x, num_rows: int, k_dim: int, scale_ub, rows, row_scale, *, silu_m
             x, q, scale, rows if gather else x, row_scale if gather else x, k_dim,
             0.0 if scale_ub is None else float(scale_ub), x.stride(0), q.stride(0),
             HAS_UB=scale_ub is not None, GATHER=gather, SILU_MUL=silu_mul, ONE_PASS=one_pass,
-            BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8 if block_k <= 4096 else 16)
+            BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8 if block_k <= 4096 else 16,
+            **pdl_args(x))
     return q, scale

@@ -44,10 +44,12 @@ import os
 import torch
 
 from chunklocal.models.moe_triton import tile_counters
-from chunklocal.models.quant_triton import available, triton
+from chunklocal.models.quant_triton import available, pdl_args, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from chunklocal.models.quant_triton import pdl_start
 
 #: The switch, read when a layer runs (``CHUNKLOCAL_MOE_ROUTE_TRITON=0`` turns it off).
 ROUTE_ENABLED = os.environ.get("CHUNKLOCAL_MOE_ROUTE_TRITON", "1") == "1"
@@ -154,7 +156,7 @@ def sort_pairs(expert: torch.Tensor, score: torch.Tensor, num_groups: int, share
     _sort_pairs_kernel[(1,)](
         expert.contiguous(), score.contiguous(), *out, pairs, num_groups, groups, K=k,
         SLOTS=slots, BLOCK_P=_pow2(pairs), BLOCK_G=_pow2(groups),
-        num_warps=_warps(pairs, groups))
+        num_warps=_warps(pairs, groups), **pdl_args(expert))
     return out
 
 
@@ -176,7 +178,7 @@ def route_pairs(logits: torch.Tensor, num_groups: int, shared: bool, dtype: torc
     _route_pairs_kernel[(1,)](
         logits, *out, pairs, num_experts, groups, balanced_offset or 0, SLOTS=slots,
         BALANCED=balanced_offset is not None, BLOCK_P=_pow2(pairs), BLOCK_E=_pow2(num_experts),
-        BLOCK_G=_pow2(groups), num_warps=_warps(pairs, groups))
+        BLOCK_G=_pow2(groups), num_warps=_warps(pairs, groups), **pdl_args(logits))
     return out
 
 
@@ -204,7 +206,7 @@ def route_pairs_from_x(x: torch.Tensor, weight: torch.Tensor, shared: bool,
             BALANCED=balanced_offset is not None, IEEE=x.dtype == torch.float32,
             BLOCK_T=max(16, _pow2(tokens)), BLOCK_E=max(16, _pow2(num_experts)),
             BLOCK_K=ROUTER_BLOCK_K, BLOCK_P=_pow2(pairs), BLOCK_G=_pow2(groups),
-            num_warps=_warps(pairs, groups))
+            num_warps=_warps(pairs, groups), **pdl_args(x))
     return out
 
 
@@ -218,7 +220,8 @@ def combine_rows(rows: torch.Tensor, rank: torch.Tensor, tokens: int, slots: int
     if tokens:
         block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
         _combine_kernel[(tokens, triton.cdiv(hidden, block))](
-            rows, rank, out, hidden, rows.stride(0), out.stride(0), SLOTS=slots, BLOCK=block)
+            rows, rank, out, hidden, rows.stride(0), out.stride(0), SLOTS=slots, BLOCK=block,
+            **pdl_args(rows))
     return out
 
 
@@ -227,7 +230,9 @@ if triton is not None:
     @triton.jit
     def _sort_pairs_kernel(expert_ptr, score_ptr, order_ptr, offs_ptr, token_ptr,
                            pair_score_ptr, rank_ptr, P, SHARED_GROUP, G, K: tl.constexpr,
-                           SLOTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr):
+                           SLOTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+                           PDL: tl.constexpr):
+        pdl_start(PDL)
         p = tl.arange(0, BLOCK_P)
         valid = p < P
         t = p // SLOTS
@@ -263,7 +268,8 @@ if triton is not None:
     def _route_pairs_kernel(logits_ptr, order_ptr, offs_ptr, token_ptr, pair_score_ptr,
                             rank_ptr, P, E, G, offset, SLOTS: tl.constexpr,
                             BALANCED: tl.constexpr, BLOCK_P: tl.constexpr,
-                            BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+                            BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         p = tl.arange(0, BLOCK_P)
         valid = p < P
         t = p // SLOTS
@@ -299,15 +305,17 @@ if triton is not None:
                              stride_x, SLOTS: tl.constexpr, BALANCED: tl.constexpr,
                              IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                              BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                             BLOCK_G: tl.constexpr):
+                             BLOCK_G: tl.constexpr, PDL: tl.constexpr):
         split = tl.program_id(0)
         rows = tl.arange(0, BLOCK_T)
         e = tl.arange(0, BLOCK_E)
         k = split * BLOCK_K + tl.arange(0, BLOCK_K)
-        xk = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :],
-                     mask=(rows < T)[:, None] & (k < H)[None, :], other=0.0)
+        # the router's weights are written by no kernel of the step: read before the wait
         wk = tl.load(w_ptr + e[None, :] * H + k[:, None],
                      mask=(e < E)[None, :] & (k < H)[:, None], other=0.0)
+        pdl_start(PDL)
+        xk = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :],
+                     mask=(rows < T)[:, None] & (k < H)[None, :], other=0.0)
         if IEEE:  # float32 rows: no TF32
             acc = tl.dot(xk, wk, input_precision="ieee")
         else:
@@ -335,7 +343,8 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(rows_ptr, rank_ptr, out_ptr, H, stride_r, stride_o,
-                        SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+                        SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = h < H
