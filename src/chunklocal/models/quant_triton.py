@@ -88,7 +88,7 @@ except ImportError:  # no Triton, or one without grid dependency control
     gdc_wait = gdc_launch_dependents = None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pdl_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
