@@ -329,6 +329,7 @@ TRITON_KERNEL_CLASSES = {
     "_fp8_splitk_kernel": "FP8 GEMMs, Triton (experts and dense)",
     "_gemv_kernel": "FP8 GEMMs, Triton (experts and dense)",  # one row a group
     "group_span": "other",  # the grouped kernels' jit helper, inlined (no launch)
+    "pdl_start": "other",  # every kernel's first statement (PDL), inlined (no launch)
     "_grouped_gemm_kernel": "expert GEMMs",
     "_splitk_sum_kernel": "norms, reductions",  # the split-K slices' sum, where torch's sum was
     "_quantize_rows_kernel": "quantization (amax)",
