@@ -39,10 +39,9 @@ from torch import nn
 from chunklocal.models.quant_triton import available, pdl_args, triton
 
 if triton is not None:
-    from chunklocal.models.quant_triton import pdl_start
-
-if triton is not None:
     import triton.language as tl
+
+    from chunklocal.models.quant_triton import pdl_start
 
 #: The switch, read at import: ``fp8_grouped_mm_small`` takes :func:`fp8_gemv` for steps
 #: whose groups have at most :data:`MAX_ROWS` rows.  On since the twenty-second session's

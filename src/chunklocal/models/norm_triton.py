@@ -38,10 +38,9 @@ import torch
 from chunklocal.models.quant_triton import available, pdl_args, triton
 
 if triton is not None:
-    from chunklocal.models.quant_triton import pdl_start
-
-if triton is not None:
     import triton.language as tl
+
+    from chunklocal.models.quant_triton import pdl_start
 
 #: The switch, read at import (``CHUNKLOCAL_NORM_TRITON=0`` turns it off).
 NORM_ENABLED = os.environ.get("CHUNKLOCAL_NORM_TRITON", "1") == "1"
