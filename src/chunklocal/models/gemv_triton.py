@@ -84,6 +84,12 @@ DEFAULT_TILE = (16, 512, 4)
 #: device time, off until a GPU A/B measures it (``CHUNKLOCAL_GEMV_PARTIAL=1``;
 #: ``switch_ab --switches gemv_partial``; ``fp8_small_m --gemv-tune``'s ``_part`` columns).
 PARTIAL_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_PARTIAL", "0") == "1"
+#: The e4m3 form's tile with ``PARTIAL``: twice the default's K step.  On the H100 (24th
+#: session, ``fp8_small_m --rows 1 --gemv-tune 1``, 24 tiles) it was the fastest or within
+#: 2% of it on each of Scout's four FP8 shapes: 0.81x the default tile's time on the
+#: experts' w2, 0.88-0.89x on the dense ones, 0.98x on w13 (BENCHMARKS.md).  The 16-bit
+#: form keeps :data:`DEFAULT_TILE` (its 1024-wide step would hold twice the bytes).
+PARTIAL_TILE = (16, 1024, 4)
 
 
 def routed_slots(num_rows: int, num_experts: int) -> int:
@@ -210,11 +216,14 @@ def fp8_gemv(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, w: tor
 
 
 def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_warps, partial):
-    """The kernel's one launch: the tile's None entries from :data:`DEFAULT_TILE`,
-    ``partial`` None from :data:`PARTIAL_ENABLED`."""
-    block_n = DEFAULT_TILE[0] if block_n is None else block_n
-    block_k = DEFAULT_TILE[1] if block_k is None else block_k
-    num_warps = DEFAULT_TILE[2] if num_warps is None else num_warps
+    """The kernel's one launch: ``partial`` None from :data:`PARTIAL_ENABLED`, the tile's
+    None entries from :data:`PARTIAL_TILE` (partial sums of e4m3 weights) or
+    :data:`DEFAULT_TILE`."""
+    partial = PARTIAL_ENABLED if partial is None else partial
+    tile = PARTIAL_TILE if partial and w.element_size() == 1 else DEFAULT_TILE
+    block_n = tile[0] if block_n is None else block_n
+    block_k = tile[1] if block_k is None else block_k
+    num_warps = tile[2] if num_warps is None else num_warps
     num_rows, k_dim = x.shape
     num_experts, n_dim, _ = w.shape
     slots = 1 if offs is None else routed_slots(num_rows, num_experts)
@@ -225,7 +234,7 @@ def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_war
         SCALED=scaled, HAS_OFFS=offs is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n_dim % block_n == 0, EVEN_K=k_dim % block_k == 0,
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
-        PARTIAL=PARTIAL_ENABLED if partial is None else partial,
+        PARTIAL=partial,
         GROUP=16 // w.element_size(), num_warps=num_warps,  # GROUP: a 16-byte load's weights
         **pdl_args(x))
 
