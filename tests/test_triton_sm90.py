@@ -181,6 +181,10 @@ def test_gemv_kernel_every_form(recorded, monkeypatch):
     assert [kw["SCALED"] for _, _, kw in launches] == [True] * 5 + [False] * 2 + [True, False]
     assert [(kw["PARTIAL"], kw["GROUP"]) for _, _, kw in launches][-3:] == [
         (False, 8), (True, 16), (True, 8)]
+    # the e4m3 partial form takes its own tile (PARTIAL_TILE), the 16-bit one the default
+    assert [(kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) for _, _, kw in launches][-3:] == [
+        gemv_triton.DEFAULT_TILE, gemv_triton.PARTIAL_TILE, gemv_triton.DEFAULT_TILE]
+    assert gemv_triton.PARTIAL_TILE == (16, 1024, 4)  # the H100 tune's pick (BENCHMARKS.md)
     assert recorded["_fp8_splitk_kernel"].launches == []
     compile_all(recorded["_gemv_kernel"], 9)
 
