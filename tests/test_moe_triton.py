@@ -347,6 +347,19 @@ GEMV_SCRIPT = textwrap.dedent("""
         got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w[1:2], w_scale[1:2], None)
         check(got, x, w, w_scale, torch.full((3,), 1))
 
+    # the partial form at its own tile (PARTIAL_TILE, 1024-wide K steps): two groups of one
+    # row, as a batch-1 step's routed and shared experts; K = 2048 unmasked, K = 2560 a
+    # multiple of the default tile's 512 but not of 1024 (masked)
+    assert gemv_triton.PARTIAL_TILE == (16, 1024, 4)
+    for k_pt in (2048, 2560):
+        w_pt = (torch.randn(2, 32, k_pt, generator=gen) * 0.5).to(FP8)
+        s_pt = torch.rand(2, 32, generator=gen) + 0.5
+        x_pt = rows_like_fp8(2, k_pt)
+        xq, xs = quantize_per_token(x_pt, None)
+        got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w_pt, s_pt,
+                                   torch.tensor([1, 2], dtype=torch.int32), partial=True)
+        check(got, x_pt, w_pt, s_pt, torch.arange(2))
+
     # dispatch: groups of at most MAX_ROWS (1) rows take the GEMV, the MoE layer's bound
     # being its tokens, a dense layer's its rows; a named split-K knob, the split-K kernel
     calls, real = [], gemv_triton.fp8_gemv
