@@ -9,7 +9,9 @@ switch of ``--switches`` flipped alone, in turn, time ``--steps`` decode steps w
 graphs (the step through ``ModelRunner.run``, and its graph replayed alone).  One engine,
 one set of weights and pages, and rounds alternated, so drift between engines (the
 fifteenth session's single runs of one tree moved by up to 9%) does not decide: a difference
-inside the spread of the repeats is reported as such.
+inside the spread of the repeats is reported as such.  A first round (``--warmup-rounds``)
+is timed and dropped, and each variant is also read against the defaults of its own round
+(``paired``: "faster" or "slower" in every round, or "mixed").
 
     python -m benchmarks.switch_ab --model scout-fp8 --batch 1 --repeats 5 \\
         --switches reduce slots gather silu kv16 shared gemv16+gemv_partial
@@ -138,28 +140,45 @@ def timed(llm, steps: int, device) -> dict:
     return {"step_ms": step, "replay_ms": replay}
 
 
-def rounds(llm, names: list[str], repeats: int, steps: int, device) -> dict[str, list[dict]]:
-    """``repeats`` rounds of the defaults and each switch flipped alone; the graphs are
-    captured again after every flip and after it is put back."""
+def rounds(llm, names: list[str], repeats: int, steps: int, device,
+           warmup: int = 1) -> dict[str, list[dict]]:
+    """``warmup`` rounds, not kept, then ``repeats`` rounds of the defaults and each switch
+    flipped alone; the graphs are captured again after every flip and after it is put back.
+
+    Why the warm-up round: on the H100 (twenty-fourth session, 12 layers, batch 1) the first
+    round's defaults, replayed from the graphs captured at start-up on a fresh GPU, took
+    2.248 ms and every later round's 2.319-2.328, while each variant was steady from its
+    first round; the one fast round widened the defaults' spread enough to put four
+    switches "inside" it although each was faster in every later round.  After a warm-up
+    round every timed replay comes from graphs captured the same way."""
     runs: dict[str, list[dict]] = {"defaults": []}
     runs |= {name: [] for name in names}
-    for _ in range(repeats):
-        runs["defaults"].append(timed(llm, steps, device))
+    for r in range(warmup + repeats):
+        kept = runs if r >= warmup else {key: [] for key in runs}
+        kept["defaults"].append(timed(llm, steps, device))
         for name in names:
             restore = flip(llm, name)
             try:
                 llm.runner.recapture_graphs()
-                runs[name].append(timed(llm, steps, device))
+                kept[name].append(timed(llm, steps, device))
             finally:
                 restore()
                 llm.runner.recapture_graphs()
     return runs
 
 
+def paired(values: list[float | None], ref: list[float | None]) -> list[float]:
+    """A variant's time over the defaults' of the same round, for rounds with both: slow
+    drift of the machine between rounds cancels in each ratio."""
+    return [v / r for v, r in zip(values, ref, strict=True) if v is not None and r is not None]
+
+
 def summary(runs: dict[str, list[dict]], names: list[str], base: dict) -> list[dict]:
     """A row per variant: median, min and max over the rounds of the step and the replay,
     and the ratio of the medians to the defaults'; ``inside_spread`` when the variant's
-    range of round medians overlaps the defaults'."""
+    range of round medians overlaps the defaults'; the range of its :func:`paired` ratios
+    and ``every_round``: "faster" (every ratio below 1), "slower" (every one above) or
+    "mixed"."""
     rows = []
     ref = runs["defaults"]
     for label, measured in runs.items():
@@ -178,6 +197,11 @@ def summary(runs: dict[str, list[dict]], names: list[str], base: dict) -> list[d
             if label != "defaults":
                 row[f"{key}_inside_spread"] = (min(values) <= max(ref_values)
                                                and min(ref_values) <= max(values))
+                ratios = paired([m[key] for m in measured], [m[key] for m in ref])
+                if ratios:
+                    row |= {f"{key}_paired_min": min(ratios), f"{key}_paired_max": max(ratios),
+                            f"{key}_every_round": ("faster" if max(ratios) < 1 else
+                                                   "slower" if min(ratios) > 1 else "mixed")}
         rows.append(row)
     return rows
 
@@ -191,6 +215,8 @@ def main(argv=None) -> int:
     parser.add_argument("--switches", nargs="+", type=switch_names, default=["reduce", "slots"],
                         help="variants, each one switch or several joined by '+' flipped "
                              f"together; switches: {', '.join(sorted(SWITCHES | LAYER_SWITCHES))}")
+    parser.add_argument("--warmup-rounds", type=int, default=1,
+                        help="rounds timed and dropped before the kept ones (rounds())")
     args = parser.parse_args(argv)
     args.repeats = 5 if args.repeats is None else args.repeats  # rounds (base_parser's flag)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -200,7 +226,8 @@ def main(argv=None) -> int:
         parser.error("the engine run needs CUDA; on the CPU only --smoke works")
     names = list(dict.fromkeys(args.switches))
     # each round times the defaults and each flip once (a restore is not timed)
-    rounds_steps = args.repeats * (1 + len(names)) * (args.steps + WARMUP)
+    rounds_steps = ((args.warmup_rounds + args.repeats) * (1 + len(names))
+                    * (args.steps + WARMUP))
     new = rounds_steps + 32  # and the floor's eager step
     max_model_len = args.context + new + 96
     payload = {"args": vars(args), "rows": [], "errors": []}
@@ -222,7 +249,7 @@ def main(argv=None) -> int:
             positions = np.fromiter((q.num_computed for q in llm.scheduler.running), np.int64)
             _, floor_ms = decode_floor.step_floor(llm, positions, routing.distinct or None,
                                                   rates)
-            runs = rounds(llm, names, args.repeats, args.steps, device)
+            runs = rounds(llm, names, args.repeats, args.steps, device, args.warmup_rounds)
         finally:
             llm.shutdown()
     base = {"model": args.model, "batch": args.batch, "context": args.context,

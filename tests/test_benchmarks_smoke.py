@@ -515,14 +515,41 @@ def test_switch_ab_smoke(tmp_path, monkeypatch):
     assert switch_ab.main(["--smoke", "--switches", "norm", "kv16", "--out",
                            str(tmp_path)]) == 0
     norm, kv16 = before
-    assert seen == [(norm, kv16), (not norm, kv16), (norm, not kv16)] * 2  # two rounds
-    assert len(captures) == 2 * 2 * 2  # each flip, each restore
+    # a warm-up round (dropped) and two kept rounds
+    assert seen == [(norm, kv16), (not norm, kv16), (norm, not kv16)] * 3
+    assert len(captures) == 3 * 2 * 2  # each flip, each restore
     assert (norm_triton.NORM_ENABLED, kv_write_triton.KV_WRITE_16BIT_ENABLED) == before
     rows = _load(tmp_path / "switch_ab_smoke.json")["rows"]
     assert [r["variant"] for r in rows] == ["defaults", "norm", "kv16"]
     assert rows[2]["switch"] == f"kv_write_triton.KV_WRITE_16BIT_ENABLED={not kv16}"
     assert rows[0]["step_ms_over_defaults"] == 1
     assert all(r["floor_ms"] > 0 and r["step_ms_median"] > 0 for r in rows)
+    rounds = _load(tmp_path / "switch_ab_smoke.json")["rounds"]
+    assert [len(v) for v in rounds.values()] == [2, 2, 2]  # the warm-up round not kept
+    assert rows[1]["step_ms_every_round"] in ("faster", "slower", "mixed")
+
+
+def test_switch_ab_reads_each_variant_against_its_own_rounds_defaults():
+    """The twenty-fourth session's H100 rounds (12 layers, batch 1, graph replay ms): the
+    defaults' fast first round puts "pdl" inside their spread, though it was faster in
+    every round; the paired ratios say so."""
+    from benchmarks import switch_ab
+
+    defaults = [2.248, 2.320, 2.325, 2.328, 2.319]
+    pdl = [2.220, 2.273, 2.277, 2.276, 2.265]
+    runs = {"defaults": [{"step_ms": None, "replay_ms": v} for v in defaults],
+            "pdl": [{"step_ms": None, "replay_ms": v} for v in pdl]}
+    switch_ab.FLIPPED["pdl"] = "quant_triton.PDL_ENABLED=True"
+    _, row = switch_ab.summary(runs, ["pdl"], {})
+    assert row["replay_ms_inside_spread"] is True  # 2.277 >= 2.248
+    # 2.220 / 2.248 = 0.98754..., 2.265 / 2.319 = 0.97671...
+    assert row["replay_ms_paired_max"] == pytest.approx(0.98754, abs=1e-5)
+    assert row["replay_ms_paired_min"] == pytest.approx(0.97671, abs=1e-5)
+    assert row["replay_ms_every_round"] == "faster"
+    assert "step_ms_paired_max" not in row  # no step times: nothing to pair
+    runs["pdl"][2]["replay_ms"] = 2.330  # one round slower than its defaults
+    assert switch_ab.summary(runs, ["pdl"], {})[1]["replay_ms_every_round"] == "mixed"
+    assert switch_ab.paired([1.0, None, 3.0], [2.0, 2.0, None]) == [0.5]
 
 
 def test_switch_ab_flips_joined_switches_together(tmp_path, monkeypatch):
@@ -544,7 +571,7 @@ def test_switch_ab_flips_joined_switches_together(tmp_path, monkeypatch):
     assert switch_ab.main(["--smoke", "--switches", "norm+kv16", "--out",
                            str(tmp_path)]) == 0
     norm, kv16 = before
-    assert seen == [(norm, kv16), (not norm, not kv16)] * 2
+    assert seen == [(norm, kv16), (not norm, not kv16)] * 3  # a warm-up round, two kept
     assert (norm_triton.NORM_ENABLED, kv_write_triton.KV_WRITE_16BIT_ENABLED) == before
     rows = _load(tmp_path / "switch_ab_smoke.json")["rows"]
     assert [r["variant"] for r in rows] == ["defaults", "norm+kv16"]
@@ -577,7 +604,7 @@ def test_switch_ab_flips_the_shared_expert_group_on_every_moe_layer(tmp_path, mo
     assert not moe.STACK_SHARED
     assert switch_ab.main(["--smoke", "--switches", "shared", "--out", str(tmp_path)]) == 0
     assert not moe.STACK_SHARED
-    assert seen == [{0}, {16}] * 2
+    assert seen == [{0}, {16}] * 3  # a warm-up round, two kept
     rows = _load(tmp_path / "switch_ab_smoke.json")["rows"]
     assert rows[1]["switch"] == "MoE.fuse_max_tokens=16"
 
