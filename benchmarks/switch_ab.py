@@ -145,12 +145,12 @@ def rounds(llm, names: list[str], repeats: int, steps: int, device,
     """``warmup`` rounds, not kept, then ``repeats`` rounds of the defaults and each switch
     flipped alone; the graphs are captured again after every flip and after it is put back.
 
-    Why the warm-up round: on the H100 (twenty-fourth session, 12 layers, batch 1) the first
-    round's defaults, replayed from the graphs captured at start-up on a fresh GPU, took
-    2.248 ms and every later round's 2.319-2.328, while each variant was steady from its
-    first round; the one fast round widened the defaults' spread enough to put four
-    switches "inside" it although each was faster in every later round.  After a warm-up
-    round every timed replay comes from graphs captured the same way."""
+    Why the warm-up round: on the H100 (twenty-fourth session, 12 layers, batch 1) the
+    first round's defaults took 2.248 ms and every later round's 2.319-2.328; the variant
+    timed right after them was fast in its first round too (2.220 against 2.265-2.277),
+    the ones timed later were not: the GPU settling as it warms, most likely.  The one
+    fast round widened the defaults' spread enough to put four switches "inside" it
+    although each was faster in every later round."""
     runs: dict[str, list[dict]] = {"defaults": []}
     runs |= {name: [] for name in names}
     for r in range(warmup + repeats):
