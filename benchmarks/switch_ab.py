@@ -16,6 +16,7 @@ is timed and dropped, and each variant is also read against the defaults of its 
     python -m benchmarks.switch_ab --model scout-fp8 --batch 1 --repeats 5 \\
         --switches reduce slots gather silu kv16 shared gemv16+gemv_partial
     python -m benchmarks.switch_ab --smoke          # CPU: eager steps, checks the logic
+    python -m benchmarks.switch_ab --reread results/h100/switch_ab_....json   # a saved run
 """
 
 from __future__ import annotations
@@ -206,6 +207,27 @@ def summary(runs: dict[str, list[dict]], names: list[str], base: dict) -> list[d
     return rows
 
 
+def reread(path: Path, drop: int) -> int:
+    """Print :func:`summary`'s rows for a saved run, each variant's first ``drop`` rounds
+    dropped."""
+    import json
+
+    saved = json.loads(path.read_text())
+    runs = {label: measured[drop:] for label, measured in saved["rounds"].items()}
+    if not runs["defaults"]:
+        raise SystemExit(f"{path}: {drop} rounds dropped leave none")
+    names = [label for label in runs if label != "defaults"]
+    for row in saved["rows"]:
+        if row["variant"] in names:
+            FLIPPED[row["variant"]] = row.get("switch", row["variant"])
+    first = saved["rows"][0]
+    base = {key: first[key] for key in ("model", "batch", "floor_ms") if key in first}
+    rows = summary(runs, names, base | {"rounds_kept": len(runs["defaults"])})
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    print(format_table(rows, columns), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(decode_floor.MODELS), default="scout-fp8")
@@ -217,7 +239,13 @@ def main(argv=None) -> int:
                              f"together; switches: {', '.join(sorted(SWITCHES | LAYER_SWITCHES))}")
     parser.add_argument("--warmup-rounds", type=int, default=1,
                         help="rounds timed and dropped before the kept ones (rounds())")
+    parser.add_argument("--reread", type=Path, default=None, metavar="JSON",
+                        help="no run: the rows again from a saved run's rounds, its first "
+                             "--warmup-rounds rounds dropped (runs before the warm-up round "
+                             "kept every round)")
     args = parser.parse_args(argv)
+    if args.reread is not None:
+        return reread(args.reread, args.warmup_rounds)
     args.repeats = 5 if args.repeats is None else args.repeats  # rounds (base_parser's flag)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:

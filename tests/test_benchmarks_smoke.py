@@ -552,6 +552,34 @@ def test_switch_ab_reads_each_variant_against_its_own_rounds_defaults():
     assert switch_ab.paired([1.0, None, 3.0], [2.0, 2.0, None]) == [0.5]
 
 
+def test_switch_ab_rereads_a_saved_run_without_its_first_rounds(tmp_path, capsys):
+    """``--reread``: a saved run's rows again, its first rounds dropped; nothing runs."""
+    import json
+
+    from benchmarks import switch_ab
+
+    def measured(values):
+        return [{"step_ms": v + 1, "replay_ms": v} for v in values]
+
+    saved = {"rounds": {"defaults": measured([2.0, 2.4, 2.4]), "pdl": measured([2.3, 2.3, 2.2])},
+             "rows": [{"model": "m", "batch": 1, "floor_ms": 3.0, "variant": "defaults"},
+                      {"model": "m", "batch": 1, "floor_ms": 3.0, "variant": "pdl",
+                       "switch": "quant_triton.PDL_ENABLED=True"}]}
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(saved))
+    assert switch_ab.main(["--reread", str(path)]) == 0  # the default: one round dropped
+    out = capsys.readouterr().out.splitlines()
+    pdl = next(line for line in out if "| pdl " in line)
+    # rounds 2-3: 2.3 / 2.4 = 0.958 and 2.2 / 2.4 = 0.917, faster in both
+    assert "faster" in pdl and "PDL_ENABLED=True" in pdl
+    assert "| 0.917 " in pdl and "| 0.958 " in pdl
+    assert switch_ab.main(["--reread", str(path), "--warmup-rounds", "0"]) == 0
+    pdl = next(line for line in capsys.readouterr().out.splitlines() if "| pdl " in line)
+    assert "mixed" in pdl  # round 1: 2.3 against 2.0
+    with pytest.raises(SystemExit, match="leave none"):
+        switch_ab.main(["--reread", str(path), "--warmup-rounds", "3"])
+
+
 def test_switch_ab_flips_joined_switches_together(tmp_path, monkeypatch):
     """``a+b``: one variant with both switches flipped, both put back after each round;
     an unknown or repeated part is refused by name before any engine loads."""
