@@ -603,7 +603,7 @@ ONE_PASS_SCRIPT = textwrap.dedent("""
     import torch
     from chunklocal.models import quant_triton
 
-    assert not quant_triton.ONE_PASS_ENABLED  # off by default (=1 turns it on)
+    assert quant_triton.ONE_PASS_ENABLED  # on by default (=0 turns it off)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(7, 100, generator=gen) * 30   # K not a power of two: masked lanes
     x[3] = 0.0                                    # the amax floor

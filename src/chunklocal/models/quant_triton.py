@@ -62,10 +62,13 @@ MAX_BLOCK_K = 2048  # elements of a row per load (a Scout row of 5120: three loa
 #: quantized from there (one program of 16 warps: 16 float32 a thread at 8192), where the
 #: two-pass form loads each row three or four times over, twice: at a batch-1 step of
 #: full-size Scout FP8 a launch took 3.9 us (192 a step, 0.74 ms; BENCHMARKS.md, fifteenth
-#: session), latency more than bytes.  The same bits either way.  Off until an H200 A/B
-#: measures it (``CHUNKLOCAL_FP8_QUANT_ONE_PASS=1``; ``benchmarks/switch_ab.py --switches
-#: quant1``).
-ONE_PASS_ENABLED = os.environ.get("CHUNKLOCAL_FP8_QUANT_ONE_PASS", "0") == "1"
+#: session), latency more than bytes.  The same bits either way (tests/gpu/test_fp8_quant_gpu.py
+#: passed on the H100 in the twenty-first session: every form, eager and replayed).  On by
+#: default since the twenty-fourth session: 12 of full-size Scout FP8's layers at batch 1
+#: replayed 0.985-0.989x and 0.989-0.992x the two-pass form's time against the defaults of
+#: the same round, in every round of two H100 runs (BENCHMARKS.md, "Earlier batch-1 A/Bs
+#: re-read"); ``CHUNKLOCAL_FP8_QUANT_ONE_PASS=0`` turns it off (``switch_ab --switches quant1``).
+ONE_PASS_ENABLED = os.environ.get("CHUNKLOCAL_FP8_QUANT_ONE_PASS", "1") == "1"
 ONE_PASS_MAX_K = 8192
 
 
