@@ -292,12 +292,22 @@ def best_gemv(row: dict, paths: dict, baseline: str) -> dict:
             f"{baseline}_over_best": row[f"{baseline}_us"] / gemvs[best]}
 
 
-def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
+#: Largest difference a GEMV tile's output may show from the split-K kernel's, over the
+#: largest magnitude of the latter: both take the same exact float32 products of the same
+#: quantized row, sum them in other orders and round once to bf16 (2^-8 relative), so a
+#: value may differ by a unit in its last place; a wrong tile is off by far more.
+GEMV_TOLERANCE = 2.0 ** -6
+
+
+def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save, errors=None) -> None:
     """``gemv_triton.fp8_gemv`` (rows quantized by ``quant_triton``'s kernel first, as
     ``fp8_grouped_mm_small`` does) at each GEMV_TUNE tile beside the split-K kernel at its
     default and tuned tiles, Scout's four shapes at ``ms`` rows (spread round-robin over
     the experts: a group holds ``ceil(m / 16)``; a group's second row re-reads its slab);
-    per row the fastest GEMV tile and the split-K default over it, saved row by row."""
+    per row the fastest GEMV tile and the split-K default over it, saved row by row.
+    Each tile's output is also checked against the split-K kernel's once (``*_err``:
+    the largest difference over the largest magnitude); one past :data:`GEMV_TOLERANCE`
+    is appended to ``errors``."""
     from chunklocal.models import gemv_triton, moe_triton
     from chunklocal.models.quant_triton import quantize_rows
 
@@ -316,6 +326,15 @@ def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save) -> None:
             paths[gemv_label(tile)] = fn
         row = cell(name, m, nbytes, paths, device, copy_rate)
         row.update(group_rows=group_rows, **best_gemv(row, paths, "split"))
+        want = paths["split"]().float()
+        scale = float(want.abs().max()) or 1.0
+        for label, fn in paths.items():
+            if label.startswith("gemv_"):
+                err = float((fn().float() - want).abs().max()) / scale
+                row[f"{label}_err"] = err
+                if err > GEMV_TOLERANCE and errors is not None:
+                    errors.append(f"{name}, {m} rows, {label}: off by {err:.3g} of the "
+                                  "split-K kernel's largest value")
         rows.append(row)
         save()
 
@@ -464,7 +483,7 @@ def main(argv=None) -> int:
     if args.gemv_tune and moe_triton_available(device):
         payload["gemv_tune"] = []
         gemv_tune_rows(payload["gemv_tune"], device, copy_rate, args.gemv_tune, args.smoke,
-                       save)
+                       save, payload["errors"])
     if args.gemv16_tune and moe_triton_available(device):
         payload["gemv16_tune"] = []
         gemv16_tune_rows(payload["gemv16_tune"], device, copy_rate, args.smoke, save)

@@ -227,6 +227,10 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
         for g in ("dense gate_up", "dense down", "experts w13", "experts w2") for m in (2, 5)]
     assert all({"split_us", "split_tuned_us", "split_over_best"} <= set(r) and
                r["best"].startswith("gemv_bn") for r in gemv)
+    # each tile's output checked against the split-K kernel's (the interpreter: float32)
+    errs = [r[key] for r in gemv for key in r if key.endswith("_err")]
+    assert len(errs) == 2 * len(gemv) and max(errs) < fp8_small_m.GEMV_TOLERANCE
+    assert data["errors"] == []
     # --gemv16-tune: the three one-row bf16 projections, cuBLAS beside the 16-bit GEMV
     gemv16 = data["gemv16_tune"]
     assert [r["gemm"] for r in gemv16] == ["bf16 qkv", "bf16 o_proj", "bf16 lm_head"]
