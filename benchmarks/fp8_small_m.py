@@ -299,7 +299,7 @@ def best_gemv(row: dict, paths: dict, baseline: str) -> dict:
 GEMV_TOLERANCE = 2.0 ** -6
 
 
-def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save, errors=None) -> None:
+def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save, errors) -> None:
     """``gemv_triton.fp8_gemv`` (rows quantized by ``quant_triton``'s kernel first, as
     ``fp8_grouped_mm_small`` does) at each GEMV_TUNE tile beside the split-K kernel at its
     default and tuned tiles, Scout's four shapes at ``ms`` rows (spread round-robin over
@@ -332,7 +332,7 @@ def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save, errors=None) -> Non
             if label.startswith("gemv_"):
                 err = float((fn().float() - want).abs().max()) / scale
                 row[f"{label}_err"] = err
-                if err > GEMV_TOLERANCE and errors is not None:
+                if err > GEMV_TOLERANCE:
                     errors.append(f"{name}, {m} rows, {label}: off by {err:.3g} of the "
                                   "split-K kernel's largest value")
         rows.append(row)

@@ -174,9 +174,11 @@ def paired(values: list[float | None], ref: list[float | None]) -> list[float]:
     return [v / r for v, r in zip(values, ref, strict=True) if v is not None and r is not None]
 
 
-def summary(runs: dict[str, list[dict]], names: list[str], base: dict) -> list[dict]:
-    """A row per variant: median, min and max over the rounds of the step and the replay,
-    and the ratio of the medians to the defaults'; ``inside_spread`` when the variant's
+def summary(runs: dict[str, list[dict]], switches: dict[str, str], base: dict
+            ) -> list[dict]:
+    """A row per variant (``switches``: each variant's flipped setting, its "switch"):
+    median, min and max over the rounds of the step and the replay, and the ratio of the
+    medians to the defaults'; ``inside_spread`` when the variant's
     range of round medians overlaps the defaults'; the range of its :func:`paired` ratios
     and ``every_round``: "faster" (every ratio below 1), "slower" (every one above) or
     "mixed"."""
@@ -185,7 +187,7 @@ def summary(runs: dict[str, list[dict]], names: list[str], base: dict) -> list[d
     for label, measured in runs.items():
         row = dict(base, variant=label)
         if label != "defaults":
-            row["switch"] = FLIPPED[label]
+            row["switch"] = switches[label]
         for key in ("step_ms", "replay_ms"):
             values = [m[key] for m in measured if m[key] is not None]
             if not values:
@@ -216,16 +218,18 @@ def reread(path: Path, drop: int) -> int:
     runs = {label: measured[drop:] for label, measured in saved["rounds"].items()}
     if not runs["defaults"]:
         raise SystemExit(f"{path}: {drop} rounds dropped leave none")
-    names = [label for label in runs if label != "defaults"]
-    for row in saved["rows"]:
-        if row["variant"] in names:
-            FLIPPED[row["variant"]] = row.get("switch", row["variant"])
+    switches = {row["variant"]: row.get("switch", row["variant"]) for row in saved["rows"]
+                if row["variant"] != "defaults"}
     first = saved["rows"][0]
     base = {key: first[key] for key in ("model", "batch", "floor_ms") if key in first}
-    rows = summary(runs, names, base | {"rounds_kept": len(runs["defaults"])})
+    print_rows(summary(runs, switches, base | {"rounds_kept": len(runs["defaults"])}))
+    return 0
+
+
+def print_rows(rows: list[dict]) -> None:
+    """The rows as one table, every key any row has a column."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
     print(format_table(rows, columns), flush=True)
-    return 0
 
 
 def main(argv=None) -> int:
@@ -282,10 +286,9 @@ def main(argv=None) -> int:
             llm.shutdown()
     base = {"model": args.model, "batch": args.batch, "context": args.context,
             "steps": args.steps, "repeats": args.repeats, "floor_ms": floor_ms}
-    payload["rows"] = summary(runs, names, base)
+    payload["rows"] = summary(runs, {name: FLIPPED[name] for name in names}, base)
     payload["rounds"], payload["rates"] = runs, rates
-    columns = list(dict.fromkeys(key for row in payload["rows"] for key in row))
-    print(format_table(payload["rows"], columns), flush=True)
+    print_rows(payload["rows"])
     write_json(name, payload, args.out)
     return 0
 

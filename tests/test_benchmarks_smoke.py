@@ -543,8 +543,9 @@ def test_switch_ab_reads_each_variant_against_its_own_rounds_defaults():
     pdl = [2.220, 2.273, 2.277, 2.276, 2.265]
     runs = {"defaults": [{"step_ms": None, "replay_ms": v} for v in defaults],
             "pdl": [{"step_ms": None, "replay_ms": v} for v in pdl]}
-    switch_ab.FLIPPED["pdl"] = "quant_triton.PDL_ENABLED=True"
-    _, row = switch_ab.summary(runs, ["pdl"], {})
+    switches = {"pdl": "quant_triton.PDL_ENABLED=True"}
+    _, row = switch_ab.summary(runs, switches, {})
+    assert row["switch"] == "quant_triton.PDL_ENABLED=True"
     assert row["replay_ms_inside_spread"] is True  # 2.277 >= 2.248
     # 2.220 / 2.248 = 0.98754..., 2.265 / 2.319 = 0.97671...
     assert row["replay_ms_paired_max"] == pytest.approx(0.98754, abs=1e-5)
@@ -552,7 +553,7 @@ def test_switch_ab_reads_each_variant_against_its_own_rounds_defaults():
     assert row["replay_ms_every_round"] == "faster"
     assert "step_ms_paired_max" not in row  # no step times: nothing to pair
     runs["pdl"][2]["replay_ms"] = 2.330  # one round slower than its defaults
-    assert switch_ab.summary(runs, ["pdl"], {})[1]["replay_ms_every_round"] == "mixed"
+    assert switch_ab.summary(runs, switches, {})[1]["replay_ms_every_round"] == "mixed"
     assert switch_ab.paired([1.0, None, 3.0], [2.0, 2.0, None]) == [0.5]
 
 
