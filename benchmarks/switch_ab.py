@@ -142,7 +142,7 @@ def timed(llm, steps: int, device) -> dict:
 
 
 def rounds(llm, names: list[str], repeats: int, steps: int, device,
-           warmup: int = 1) -> dict[str, list[dict]]:
+           warmup: int = 1, on_round=None) -> dict[str, list[dict]]:
     """``warmup`` rounds, not kept, then ``repeats`` rounds of the defaults and each switch
     flipped alone; the graphs are captured again after every flip and after it is put back.
 
@@ -165,6 +165,8 @@ def rounds(llm, names: list[str], repeats: int, steps: int, device,
             finally:
                 restore()
                 llm.runner.recapture_graphs()
+        if on_round is not None and r >= warmup:
+            on_round(runs)  # a time limit that stops the run keeps the rounds done
     return runs
 
 
@@ -281,15 +283,20 @@ def main(argv=None) -> int:
             positions = np.fromiter((q.num_computed for q in llm.scheduler.running), np.int64)
             _, floor_ms = decode_floor.step_floor(llm, positions, routing.distinct or None,
                                                   rates)
-            runs = rounds(llm, names, args.repeats, args.steps, device, args.warmup_rounds)
+            base = {"model": args.model, "batch": args.batch, "context": args.context,
+                    "steps": args.steps, "repeats": args.repeats, "floor_ms": floor_ms}
+
+            def save(runs: dict[str, list[dict]]) -> None:
+                payload["rows"] = summary(runs, {n: FLIPPED[n] for n in names}, base)
+                payload["rounds"], payload["rates"] = runs, rates
+                write_json(name, payload, args.out)
+
+            runs = rounds(llm, names, args.repeats, args.steps, device, args.warmup_rounds,
+                          on_round=save)
         finally:
             llm.shutdown()
-    base = {"model": args.model, "batch": args.batch, "context": args.context,
-            "steps": args.steps, "repeats": args.repeats, "floor_ms": floor_ms}
-    payload["rows"] = summary(runs, {name: FLIPPED[name] for name in names}, base)
-    payload["rounds"], payload["rates"] = runs, rates
+    save(runs)
     print_rows(payload["rows"])
-    write_json(name, payload, args.out)
     return 0
 
 

@@ -533,6 +533,29 @@ def test_switch_ab_smoke(tmp_path, monkeypatch):
     assert rows[1]["step_ms_every_round"] in ("faster", "slower", "mixed")
 
 
+def test_switch_ab_saves_each_round_it_completes(tmp_path, monkeypatch):
+    """A run stopped in its second kept round (a time limit on the device) has written
+    the warm-up-less first round: the JSON holds one round of each variant."""
+    from benchmarks import switch_ab
+    from chunklocal.engine.model_runner import ModelRunner
+
+    calls, real_timed = [], switch_ab.timed
+
+    def stopping(llm, steps, device):
+        calls.append(1)
+        if len(calls) == 3 * 2 + 1:  # warm-up round, first kept round, then stop
+            raise TimeoutError("the call's time limit")
+        return real_timed(llm, steps, device)
+
+    monkeypatch.setattr(switch_ab, "timed", stopping)
+    monkeypatch.setattr(ModelRunner, "recapture_graphs", lambda self: None)
+    with pytest.raises(TimeoutError):
+        switch_ab.main(["--smoke", "--switches", "norm", "kv16", "--out", str(tmp_path)])
+    saved = _load(tmp_path / "switch_ab_smoke.json")
+    assert [len(v) for v in saved["rounds"].values()] == [1, 1, 1]
+    assert [r["variant"] for r in saved["rows"]] == ["defaults", "norm", "kv16"]
+
+
 def test_switch_ab_reads_each_variant_against_its_own_rounds_defaults():
     """The twenty-fourth session's H100 rounds (12 layers, batch 1, graph replay ms): the
     defaults' fast first round puts "pdl" inside their spread, though it was faster in
