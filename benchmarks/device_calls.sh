@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The device calls docs/gpu-runbook.md owes, one argument each, so a session whose machine
+# comes late spends no time writing them.  From the repository root, on the device, with
+# `.whl` and `.fi-cache.tgz` carried:
+#   bash benchmarks/device_calls.sh ab       # quant1's tokens, the batch-1 A/B, the switches' tokens
+#   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
+#   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
+#   bash benchmarks/device_calls.sh sanitize # issue 20: the FA3 probe under each compute-sanitizer tool
+# Each step has its own time limit (a call may run 600 s), writes under $OUT as it goes,
+# and the call ends by packing the compiled kernels into $OUT/fi-cache.tgz.part* (cat them
+# into .fi-cache.tgz here).  pytest summaries also land in $OUT/pytest-summaries.txt: a wide
+# benchmark table can push them out of the output's tail.
+set -u
+source .whl/device-env.sh || exit 1
+find /tmp/site -exec touch -h -d '2020-01-01 00:00' {} + 2>/dev/null
+export TRITON_CACHE_DIR=$PWD/.fi-cache/triton
+export CHUNKLOCAL_TEST_LOG=$OUT/tests.log
+t0=$(date +%s)
+say() { echo "[t=$(( $(date +%s) - t0 ))s] $*"; }
+pt() {  # pt LIMIT_S PYTEST_ARGS...
+  local limit=$1; shift
+  say "pytest $*"
+  timeout "$limit" python3 -m pytest -q -rfEs -p no:cacheprovider "$@" 2>&1 | tail -25 \
+    | tee -a "$OUT/pytest-summaries.txt"
+}
+bench() {  # bench LIMIT_S LOG_NAME MODULE ARGS...
+  local limit=$1 log=$2; shift 2
+  say "python -m $*"
+  timeout "$limit" python3 -m "$@" > "$OUT/$log.log" 2>&1
+  echo "rc=$?"; grep -v '^\s*$' "$OUT/$log.log" | tail -16 | cut -c1-240
+}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv \
+  | tee "$OUT/nvidia-smi.txt"
+big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))")
+case ${1:-ab} in
+  ab)
+    pt 150 tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_quant_gpu.py
+    if [ "$big" = 1 ]; then model="--model scout-fp8 --repeats 3"
+    else model="--model scout-fp8-12 --repeats 5"; fi
+    # shellcheck disable=SC2086
+    bench 220 ab1 benchmarks.switch_ab $model --batch 1 --switches gemv_partial pdl router \
+      pdl+gemv_partial+router --out "$OUT/ab1"
+    ( export CHUNKLOCAL_PDL=1 CHUNKLOCAL_GEMV_PARTIAL=1 CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1
+      pt 130 tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_triton_gpu.py \
+        -k "gemv or oracle or tokens" ) ;;
+  stress)
+    bench 470 prefill_stress benchmarks.prefill_stress --random-budget-s 330 --deadline-s 420 \
+      --out "$OUT/prefill_stress.json" ;;
+  suite)
+    pt 540 tests/gpu --ignore=tests/gpu/test_engine_gpu.py --ignore=tests/gpu/test_piecewise_gpu.py \
+      --ignore=tests/gpu/test_memory_gpu.py --ignore=tests/gpu/test_pdl_gpu.py ;;
+  sanitize)
+    cs=/usr/local/cuda/bin/compute-sanitizer; [ -x $cs ] || cs=$(command -v compute-sanitizer)
+    probe="python3 -m benchmarks.fa3_sanitizer_probe"
+    for tool in "racecheck --racecheck-report hazard" "racecheck --racecheck-memcpy-async no" \
+                "synccheck" "memcheck"; do
+      name=$(echo "$tool" | tr -s ' -' '_' | cut -c1-40)
+      say "compute-sanitizer --tool $tool"
+      extra=""; [ "$tool" = memcheck ] && extra="--reporter --repeats 2"
+      # shellcheck disable=SC2086
+      timeout 140 "$cs" --tool $tool --print-limit 30 $probe $extra \
+        --out "$OUT/probe_$name.json" > "$OUT/$name.txt" 2>&1
+      echo "rc=$?"; tail -6 "$OUT/$name.txt"
+    done ;;
+  *) echo "unknown call: $1 (ab, stress, suite, sanitize)"; exit 2 ;;
+esac
+tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
+say "done; kernels packed"
+grep -E "passed|failed|error" "$OUT/pytest-summaries.txt" 2>/dev/null
