@@ -39,7 +39,7 @@ case ${1:-ab} in
     else model="--model scout-fp8-12 --repeats 5"; fi
     # shellcheck disable=SC2086
     bench 220 ab1 benchmarks.switch_ab $model --batch 1 --switches gemv_partial pdl router \
-      pdl+gemv_partial+router --out "$OUT/ab1"
+      pdl+gemv_partial+router gemv16+pdl+gemv_partial+router --out "$OUT/ab1"
     ( export CHUNKLOCAL_PDL=1 CHUNKLOCAL_GEMV_PARTIAL=1 CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1
       pt 130 tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_triton_gpu.py \
         -k "gemv or oracle or tokens" ) ;;
