@@ -328,7 +328,8 @@ GEMV_SCRIPT = textwrap.dedent("""
             sizes = torch.diff(offs, prepend=offs[:1] * 0)
             experts = torch.repeat_interleave(torch.arange(e), sizes)
             for tile in ({}, dict(block_n=8, block_k=32, num_warps=2), dict(partial=True),
-                         dict(block_n=8, block_k=32, num_warps=2, partial=True)):
+                         dict(block_n=8, block_k=32, num_warps=2, partial=True),
+                         dict(mma=True), dict(mma=True, block_n=16, block_k=32)):
                 xq, xs = quantize_per_token(x, None)
                 got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w, w_scale, offs, **tile)
                 assert got.shape == (m, n) and got.dtype == torch.float32
@@ -346,6 +347,23 @@ GEMV_SCRIPT = textwrap.dedent("""
         xq, xs = quantize_per_token(x, None)
         got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w[1:2], w_scale[1:2], None)
         check(got, x, w, w_scale, torch.full((3,), 1))
+
+    # the tensor-core form: a group of more rows than one pass takes (MMA_ROWS), masked
+    # (N = 40, K = 100) and unmasked at its own tile's multiples; a dense layer of 17 rows
+    assert gemv_triton.MMA_ROWS == 16 and not gemv_triton.MMA_ENABLED
+    for n_mma, k_mma, tile in ((40, 100, dict(block_n=16, block_k=32)),
+                               (64, 256, {})):
+        w_mma = (torch.randn(3, n_mma, k_mma, generator=gen) * 0.5).to(FP8)
+        s_mma = torch.rand(3, n_mma, generator=gen) + 0.5
+        ends = [2, 2, 37]  # 2 rows, none, 35 rows: three passes of 16
+        x_mma = rows_like_fp8(ends[-1], k_mma)
+        xq, xs = quantize_per_token(x_mma, None)
+        got = gemv_triton.fp8_gemv(xq, xs, torch.float32, w_mma, s_mma,
+                                   torch.tensor(ends, dtype=torch.int32), mma=True, **tile)
+        check(got, x_mma, w_mma, s_mma, torch.tensor([0] * 2 + [2] * 35))
+        got = gemv_triton.fp8_gemv(xq[:17], xs[:17], torch.float32, w_mma[1:2], s_mma[1:2],
+                                   None, mma=True, **tile)
+        check(got, x_mma[:17], w_mma, s_mma, torch.full((17,), 1))
 
     # the partial form at its own tile (PARTIAL_TILE, 1024-wide K steps): two groups of one
     # row, as a batch-1 step's routed and shared experts; K = 2048 unmasked, K = 2560 a

@@ -90,6 +90,27 @@ PARTIAL_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_PARTIAL", "0") == "1"
 #: experts' w2, 0.88-0.89x on the dense ones, 0.98x on w13 (BENCHMARKS.md).  The 16-bit
 #: form keeps :data:`DEFAULT_TILE` (its 1024-wide step would hold twice the bytes).
 PARTIAL_TILE = (16, 1024, 4)
+#: The tensor-core form (``CHUNKLOCAL_GEMV_MMA=1``; ``switch_ab --switches gemv_mma``;
+#: ``fp8_small_m --gemv-tune``'s ``_mma`` columns): the elementwise forms spend about three
+#: instructions a weight byte in their K loop (sm_90 SASS of the JIT's specialisation, 25th
+#: session): an e4m3 -> f16 pair conversion (``F2FP``) for every two weights and every two
+#: bytes of the row, an f16 -> f32 one (``HADD2.F32``) for each, an FFMA, where the H200's
+#: copy rate asks for about 16 bytes a clock of each SM.  Triton's ``tl.dot`` of e4m3 tiles
+#: at a 16-row M is an f16 MMA after the same conversions (the split-K kernel's case), but at
+#: M >= 64 it is the sm_90 e4m3 ``wgmma`` (``QGMMA``), which takes the bytes as they are.
+#: So the weights are the dot's M side, swapped with the rows (``out.T = w @ x.T``):
+#: ``BLOCK_N`` (64) output columns a program, the group's rows the N side padded to
+#: :data:`MMA_ROWS` (masked loads: no bytes read), the K loop a cp.async pipeline and one
+#: ``wgmma`` a K step: about 0.02 instructions a weight byte.  Up to :data:`MMA_ROWS` rows
+#: of a group take one pass over its slab (the elementwise forms re-read it per row).
+#: Numerics: ``tl.dot``'s float32 accumulation of e4m3 products (the split-K kernel's), not
+#: the elementwise forms' order.  Written after the device time: off until a GPU A/B.
+MMA_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_MMA", "0") == "1"
+#: ``(block_n, block_k, num_warps, num_stages)`` of the tensor-core form: 64 weight rows
+#: (wgmma's M), 16 KB of weights a stage, three stages (61 KB of shared memory with the
+#: rows' tiles: three programs an SM, about 144 KB of weights in flight).
+MMA_TILE = (64, 256, 4, 3)
+MMA_ROWS = 16  # the rows' side of the dot (tl.dot's least N)
 
 
 def routed_slots(num_rows: int, num_experts: int) -> int:
@@ -185,6 +206,46 @@ if triton is not None:
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+    @triton.jit(do_not_specialize=["num_rows"])
+    def _gemv_mma_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, out_ptr, N, K, stride_xm,
+                         stride_we, stride_wn, stride_se, stride_om, num_rows, num_experts,
+                         HAS_OFFS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_R: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                         EXPERTS_POW2: tl.constexpr, PDL: tl.constexpr):
+        # out[rows, cols].T = w[expert, cols, :] @ xq[rows, :].T, scaled: the weights are the
+        # dot's M side (wgmma's 64), the rows its N side (masked past the group's end)
+        pdl_start(PDL)
+        pid_n = tl.program_id(0)
+        expert, start, end = group_span(offs_ptr, tl.program_id(1), num_rows, num_experts,
+                                        HAS_OFFS, True, EXPERTS_POW2)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        rs = tl.arange(0, BLOCK_R)
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        w_scale = tl.load(ws_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)
+        for r0 in range(start, end, BLOCK_R):  # MMA_ROWS rows a pass over the slab
+            rows = r0 + rs
+            row_ok = rows < end
+            x_cols = xq_ptr + rows[None, :].to(tl.int64) * stride_xm  # [1, BLOCK_R]
+            acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                if EVEN_N and EVEN_K:
+                    wk = tl.load(w_rows + kk[None, :])
+                else:
+                    wk = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :],
+                                 other=0.0)
+                xk = tl.load(x_cols + kk[:, None], mask=row_ok[None, :] & (kk < K)[:, None],
+                             other=0.0)  # [BLOCK_K, BLOCK_R]: K-major, as wgmma's e4m3 B
+                acc = tl.dot(wk, xk, acc)
+            x_scale = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
+            total = acc * w_scale[:, None] * x_scale[None, :]
+            out = out_ptr + rows[None, :].to(tl.int64) * stride_om + cols[:, None]
+            tl.store(out, total.to(out_ptr.dtype.element_ty),
+                     mask=col_ok[:, None] & row_ok[None, :])
+
+
 def takes(group_rows: int, forced: bool | None = None) -> bool:
     """Whether ``fp8_grouped_mm_small`` hands a step whose groups have at most
     ``group_rows`` rows to :func:`fp8_gemv`: ``forced`` if given, else
@@ -197,13 +258,15 @@ def takes(group_rows: int, forced: bool | None = None) -> bool:
 def fp8_gemv(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, w: torch.Tensor,
              w_scale: torch.Tensor, offs: torch.Tensor | None, *, block_n: int | None = None,
              block_k: int | None = None, num_warps: int | None = None,
-             partial: bool | None = None) -> torch.Tensor:
+             partial: bool | None = None, mma: bool | None = None,
+             num_stages: int | None = None) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of the quantized ``xq [M, K]`` (e4m3, per-row scales
     ``x_scale [M, 1]``) times ``w[e].T`` (``w [E, N, K]`` e4m3, ``w_scale [E, N]``) ->
     ``[M, N]`` in ``dtype``; ``offs`` None: one group of every row (``E == 1``).  Right
     for any rows per group, fast at one (a group's second row re-reads its slab).  Rows
     past ``offs[-1]`` are unspecified.  The tile defaults to :data:`DEFAULT_TILE`;
-    ``partial`` None: :data:`PARTIAL_ENABLED`."""
+    ``partial`` None: :data:`PARTIAL_ENABLED`; ``mma`` None: :data:`MMA_ENABLED` (the
+    tensor-core form at :data:`MMA_TILE`, whose ``num_stages`` is its own keyword)."""
     if triton is None:
         raise RuntimeError("fp8_gemv needs Triton")
     if xq.stride(1) != 1 or w.stride(2) != 1 or w_scale.stride(1) != 1:
@@ -211,8 +274,29 @@ def fp8_gemv(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, w: tor
     if offs is None and w.shape[0] != 1:
         raise ValueError(f"offs=None means one group, got {w.shape[0]} experts")
     out = torch.empty(xq.shape[0], w.shape[1], dtype=dtype, device=xq.device)
-    _launch(xq, x_scale, w, w_scale, offs, out, True, block_n, block_k, num_warps, partial)
+    if MMA_ENABLED if mma is None else mma:
+        _launch_mma(xq, x_scale, w, w_scale, offs, out, block_n, block_k, num_warps,
+                    num_stages)
+    else:
+        _launch(xq, x_scale, w, w_scale, offs, out, True, block_n, block_k, num_warps,
+                partial)
     return out
+
+
+def _launch_mma(xq, x_scale, w, w_scale, offs, out, block_n, block_k, num_warps, num_stages):
+    """The tensor-core form's one launch, the tile's None entries from :data:`MMA_TILE`."""
+    tile = [MMA_TILE[i] if v is None else v
+            for i, v in enumerate((block_n, block_k, num_warps, num_stages))]
+    num_rows, k_dim = xq.shape
+    num_experts, n_dim, _ = w.shape
+    slots = 1 if offs is None else routed_slots(num_rows, num_experts)
+    _gemv_mma_kernel[(triton.cdiv(n_dim, tile[0]), slots)](
+        xq, x_scale, w, w_scale, xq if offs is None else offs, out, n_dim, k_dim,
+        xq.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0), num_rows,
+        num_experts, HAS_OFFS=offs is not None, BLOCK_N=tile[0], BLOCK_K=tile[1],
+        BLOCK_R=MMA_ROWS, EVEN_N=n_dim % tile[0] == 0, EVEN_K=k_dim % tile[1] == 0,
+        EXPERTS_POW2=triton.next_power_of_2(num_experts), num_warps=tile[2],
+        num_stages=tile[3], **pdl_args(xq))
 
 
 def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_warps, partial):
