@@ -14,6 +14,12 @@ Whether the compiled kernel is right and fast is the GPU tests' and benchmarks' 
 
 from __future__ import annotations
 
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -60,23 +66,62 @@ def scalar_type(value) -> str:
     raise TypeError(f"no Triton type for {value!r}")
 
 
-def compile_launch(fn, args, kwargs):
+def compile_launch(fn, args, kwargs, as_jit: bool = False):
     """The recorded launch's kernel, compiled for sm_90 (constexprs and launch options as
-    given): the signature names every parameter, so a missing or unknown one fails."""
+    given): the signature names every parameter, so a missing or unknown one fails.
+    ``as_jit``: with the specialisation Triton's JIT gives a launch on the device (pointers
+    16-byte aligned, integers that are multiples of 16 marked so, integers equal to 1 as
+    constants; ``do_not_specialize`` honoured), which decides vector widths and the MMA
+    kind, so the machine code is the device's."""
     options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
     bound = dict(zip(fn.arg_names, args, strict=False)) | kwargs
     assert set(bound) == set(fn.arg_names), (fn.__name__, set(fn.arg_names) ^ set(bound))
-    signature, constexprs = {}, {}
-    for param in fn.params:
+    keep = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(fn.params):
         value = bound[param.name]
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
+            continue
+        if as_jit and (isinstance(value, torch.Tensor) or (
+                type(value) is int and param.name not in keep and value % 16 == 0)):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        if as_jit and type(value) is int and param.name not in keep and value == 1:
+            signature[param.name], constexprs[param.name] = "constexpr", 1
         elif isinstance(value, torch.Tensor):
             signature[param.name] = POINTER[value.dtype]
         else:
             signature[param.name] = scalar_type(value)
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=SM90, options=options)
+
+
+def k_loop_ops(kernel) -> list[Counter]:
+    """Each loop of ``kernel``'s sm_90 machine code (a backward branch to a label; inner
+    loops first), as counts of its opcodes (``nvdisasm``, shipped with Triton)."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True,
+                              text=True, check=True).stdout
+    instructions, labels, label = [], {}, None
+    for line in sass.splitlines():
+        if match := re.match(r"\s*(\.L_x_\d+):", line):
+            label = match.group(1)
+        elif match := re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
+            address = int(match.group(1), 16)
+            instructions.append((address, match.group(2).split()))
+            if label:
+                labels[label], label = address, None
+    loops = []
+    for address, words in instructions:
+        target = re.match(r"`?\(?(\.L_x_\d+)", words[-1]) if "BRA" in words[:2] else None
+        if target and labels.get(target.group(1), address) < address:
+            start = labels[target.group(1)]
+            loops.append(Counter((w[1] if w[0].startswith("@") else w[0]).split(".")[0]
+                                 for a, w in instructions if start <= a <= address))
+    return sorted(loops, key=lambda ops: sum(ops.values()))
 
 
 @pytest.fixture
@@ -87,6 +132,7 @@ def recorded(monkeypatch):
     for module, name in ((quant_triton, "_quantize_rows_kernel"),
                          (moe_triton, "_fp8_splitk_kernel"),
                          (gemv_triton, "_gemv_kernel"),
+                         (gemv_triton, "_gemv_mma_kernel"),
                          (moe_triton, "_grouped_gemm_kernel"),
                          (moe_triton, "_splitk_sum_kernel"),
                          (kv_write_triton, "_write_kv_kernel"),
@@ -189,6 +235,40 @@ def test_gemv_kernel_every_form(recorded, monkeypatch):
     compile_all(recorded["_gemv_kernel"], 9)
 
 
+def test_gemv_mma_kernel_every_form(recorded):
+    """The tensor-core GEMV (off by default) on Scout's expert shapes at a batch-1 step (17
+    groups, two of one row) and at 16 rows a group, a masked tile and the dense form; and
+    its K loop, compiled as the JIT compiles the batch-1 w13 launch, is e4m3 wgmma
+    (``QGMMA``) with no conversion of the weights (``F2FP``), where the elementwise form's
+    converts every byte (the reason for the form: gemv_triton.MMA_ENABLED)."""
+    for n, k, per_group in ((16384, 5120, 1), (5120, 8192, 1), (5120, 8192, 16)):
+        w, scale = torch.zeros(17, n, k, dtype=FP8), torch.ones(17, n)
+        offs = torch.full((17,), 2 * per_group, dtype=torch.int32)
+        offs[-2] = per_group
+        rows = torch.zeros(2 * per_group, k, dtype=FP8)
+        gemv_triton.fp8_gemv(rows, torch.ones(2 * per_group, 1), BF16, w, scale, offs,
+                             mma=True)
+    gemv_triton.fp8_gemv(torch.zeros(3, 5000, dtype=FP8), torch.ones(3, 1), BF16,
+                         torch.zeros(1, 200, 5000, dtype=FP8), torch.ones(1, 200), None,
+                         mma=True)
+    launches = recorded["_gemv_mma_kernel"].launches
+    assert [kw["EVEN_K"] and kw["EVEN_N"] for _, _, kw in launches] == [True] * 3 + [False]
+    assert [grid for grid, _, _ in launches] == [(256, 2), (80, 2), (80, 17), (4, 1)]
+    assert gemv_triton.MMA_TILE == (64, 256, 4, 3) and gemv_triton.MMA_ROWS == 16
+    compile_all(recorded["_gemv_mma_kernel"], 4)
+    w13 = compile_launch(recorded["_gemv_mma_kernel"].fn, *launches[0][1:], as_jit=True)
+    k_loop = k_loop_ops(w13)[0]
+    assert k_loop["QGMMA"] >= 1 and k_loop["F2FP"] == 0 and k_loop["HMMA"] == 0, k_loop
+    # the control: the elementwise form converts its tiles in its K loop
+    rows = torch.zeros(2, 5120, dtype=FP8)
+    gemv_triton.fp8_gemv(rows, torch.ones(2, 1), BF16, torch.zeros(17, 16384, 5120, dtype=FP8),
+                         torch.ones(17, 16384), offs, mma=False)
+    (_, args, kwargs), = recorded["_gemv_kernel"].launches
+    elementwise = k_loop_ops(compile_launch(recorded["_gemv_kernel"].fn, args, dict(kwargs),
+                                            as_jit=True))[0]
+    assert elementwise["F2FP"] > 0 and elementwise["QGMMA"] == 0, elementwise
+
+
 def test_split_k_sum_kernel(recorded):
     moe_triton.splitk_sum(torch.zeros(4, 1, 5120), BF16)
     compile_all(recorded["_splitk_sum_kernel"], 1)
@@ -234,6 +314,8 @@ def launch_every_kernel():
                                     reduce_in_kernel=False)
     moe_triton.fp8_grouped_mm_small(torch.zeros(2, 5120, dtype=BF16), w, scale, offs,
                                     group_rows=1)
+    gemv_triton.fp8_gemv(torch.zeros(2, 5120, dtype=FP8), torch.ones(2, 1), BF16, w, scale,
+                         offs, mma=True)
     moe_triton.splitk_sum(torch.zeros(4, 1, 5120), BF16)
     moe_triton.grouped_mm_small(torch.zeros(3, 512, dtype=BF16),
                                 torch.zeros(3, 256, 512, dtype=BF16), offs[:3])
@@ -292,7 +374,7 @@ def test_every_kernel_of_the_package_is_compiled_here():
                     "triton.jit" in ast.unparse(d) for d in node.decorator_list):
                 found.add(node.name)
     assert found == {"_quantize_rows_kernel", "_fp8_splitk_kernel", "_grouped_gemm_kernel",
-                     "_gemv_kernel",
+                     "_gemv_kernel", "_gemv_mma_kernel",
                      "_splitk_sum_kernel",
                      "_write_kv_kernel", "_add_rms_norm_kernel", "_rope_norm_kernel",
                      "_sort_pairs_kernel", "_route_pairs_kernel", "_combine_kernel",
