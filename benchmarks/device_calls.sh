@@ -2,7 +2,9 @@
 # The device calls docs/gpu-runbook.md owes, one argument each, so a session whose machine
 # comes late spends no time writing them.  From the repository root, on the device, with
 # `.whl` and `.fi-cache.tgz` carried:
-#   bash benchmarks/device_calls.sh ab       # quant1's tokens, the batch-1 A/B, the switches' tokens
+#   bash benchmarks/device_calls.sh ab       # quant1's tokens, the GEMV forms, the batch-1 A/B,
+#                                            # the switches' tokens
+#   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
 #   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
 #   bash benchmarks/device_calls.sh sanitize # issue 20: the FA3 probe under each compute-sanitizer tool
@@ -34,15 +36,20 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu -
 big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))")
 case ${1:-ab} in
   ab)
-    pt 150 tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_quant_gpu.py
+    pt 140 tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_quant_gpu.py
+    pt 60 tests/gpu/test_fp8_triton_gpu.py -k gemv  # every form, the tensor-core one too
     if [ "$big" = 1 ]; then model="--model scout-fp8 --repeats 3"
-    else model="--model scout-fp8-12 --repeats 5"; fi
+    else model="--model scout-fp8-12 --repeats 4"; fi
     # shellcheck disable=SC2086
-    bench 220 ab1 benchmarks.switch_ab $model --batch 1 --switches gemv_partial pdl router \
-      pdl+gemv_partial+router gemv16+pdl+gemv_partial+router --out "$OUT/ab1"
-    ( export CHUNKLOCAL_PDL=1 CHUNKLOCAL_GEMV_PARTIAL=1 CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1
+    bench 200 ab1 benchmarks.switch_ab $model --batch 1 --switches gemv_mma gemv_partial pdl \
+      router pdl+gemv_partial+router gemv_mma+pdl+router --out "$OUT/ab1"
+    # the engine's tokens with the candidates on (the tensor-core GEMV takes the one-row
+    # groups where the partial sums would: run GEMV_PARTIAL=1 instead if the A/B picks it)
+    ( export CHUNKLOCAL_PDL=1 CHUNKLOCAL_GEMV_MMA=1 CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1
       pt 130 tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_triton_gpu.py \
         -k "gemv or oracle or tokens" ) ;;
+  tune)
+    bench 540 gemv_tune benchmarks.fp8_small_m --rows 1 --gemv-tune 1 2 16 --out "$OUT/tune" ;;
   stress)
     bench 470 prefill_stress benchmarks.prefill_stress --random-budget-s 330 --deadline-s 420 \
       --out "$OUT/prefill_stress.json" ;;
@@ -62,7 +69,7 @@ case ${1:-ab} in
         --out "$OUT/probe_$name.json" > "$OUT/$name.txt" 2>&1
       echo "rc=$?"; tail -6 "$OUT/$name.txt"
     done ;;
-  *) echo "unknown call: $1 (ab, stress, suite, sanitize)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, tune, stress, suite, sanitize)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"

@@ -167,7 +167,7 @@ KERNEL_CLASSES = (
     # moe_triton's FP8 kernel runs the routed experts and (as one group) the dense layers;
     # gemv_triton's GEMV the steps of one row a group (its 16-bit form, off by default, is
     # counted here too: one kernel name for both)
-    ("FP8 GEMMs, Triton (experts and dense)", r"_fp8_splitk_kernel|_gemv_kernel"),
+    ("FP8 GEMMs, Triton (experts and dense)", r"_fp8_splitk_kernel|_gemv_kernel|_gemv_mma_kernel"),
     # route_triton's pair bookkeeping (sort by expert, group ends) in one launch, from the
     # router's logits with the fused routing (or its GEMM too), and its sum of each token's
     # expert outputs

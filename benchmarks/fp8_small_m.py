@@ -273,14 +273,28 @@ GEMV_TUNE = [(16, 512, 4, False), (16, 256, 4, False), (8, 256, 4, False),
              (4, 1024, 4, True), (4, 2048, 4, True), (8, 2048, 8, True)]
 
 
+#: (block_n, block_k, num_warps, num_stages) of the tensor-core form
+#: (``gemv_triton.MMA_ENABLED``; the first is ``gemv_triton.MMA_TILE``), ``--gemv-tune``'s
+#: e4m3 rows only, labels ending ``_mma``: wgmma's 64 weight rows, or 128 with 8 warps.
+GEMV_MMA_TUNE = [(64, 256, 4, 3), (64, 128, 4, 4), (64, 512, 4, 2), (64, 256, 4, 4),
+                 (128, 256, 8, 3), (128, 128, 8, 4)]
+
+
 def gemv_label(tile) -> str:
-    bn, bk, warps, part = tile
-    return f"gemv_bn{bn}_bk{bk}_w{warps}{'_part' if part else ''}"
+    if len(tile) == 4 and isinstance(tile[3], bool):
+        bn, bk, warps, part = tile
+        return f"gemv_bn{bn}_bk{bk}_w{warps}{'_part' if part else ''}"
+    bn, bk, warps, stages = tile
+    return f"gemv_bn{bn}_bk{bk}_w{warps}_s{stages}_mma"
 
 
 def gemv_keywords(tile) -> dict:
-    """A GEMV_TUNE entry as ``fp8_gemv`` / ``gemv16``'s tile keywords."""
-    return dict(zip(("block_n", "block_k", "num_warps", "partial"), tile, strict=True))
+    """A GEMV_TUNE entry as ``fp8_gemv`` / ``gemv16``'s tile keywords, or a GEMV_MMA_TUNE
+    one as ``fp8_gemv``'s with ``mma``."""
+    if isinstance(tile[3], bool):
+        return dict(zip(("block_n", "block_k", "num_warps", "partial"), tile, strict=True))
+    return dict(zip(("block_n", "block_k", "num_warps", "num_stages"), tile, strict=True),
+                mma=True)
 
 
 def best_gemv(row: dict, paths: dict, baseline: str) -> dict:
@@ -311,7 +325,8 @@ def gemv_tune_rows(rows, device, copy_rate, ms, smoke, save, errors) -> None:
     from chunklocal.models import gemv_triton, moe_triton
     from chunklocal.models.quant_triton import quantize_rows
 
-    configs = [GEMV_TUNE[0], GEMV_TUNE[-1]] if smoke else GEMV_TUNE
+    configs = ([GEMV_TUNE[0], GEMV_TUNE[-1], GEMV_MMA_TUNE[0]] if smoke
+               else GEMV_TUNE + GEMV_MMA_TUNE)
     for name, m, x, w, s, offs, nbytes in scout_cells(device, ms, smoke):
         group_rows = m if offs is None else -(-m // w.shape[0])
         tile = tuned(offs is not None, *w.shape[1:])

@@ -58,6 +58,7 @@ SWITCHES = {
     "gemv": ("chunklocal.models.gemv_triton", "GEMV_ENABLED"),
     "gemv16": ("chunklocal.models.gemv_triton", "LINEAR_ENABLED"),
     "gemv_partial": ("chunklocal.models.gemv_triton", "PARTIAL_ENABLED"),
+    "gemv_mma": ("chunklocal.models.gemv_triton", "MMA_ENABLED"),
 }
 #: name: (attribute of every MoE layer, its value when on) of switches each layer holds,
 #: flipped between that value and 0.  "shared": the shared expert as group E of the routed

@@ -229,7 +229,9 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
                r["best"].startswith("gemv_bn") for r in gemv)
     # each tile's output checked against the split-K kernel's (the interpreter: float32)
     errs = [r[key] for r in gemv for key in r if key.endswith("_err")]
-    assert len(errs) == 2 * len(gemv) and max(errs) < fp8_small_m.GEMV_TOLERANCE
+    assert len(errs) == 3 * len(gemv) and max(errs) < fp8_small_m.GEMV_TOLERANCE
+    mma = fp8_small_m.gemv_label(fp8_small_m.GEMV_MMA_TUNE[0])
+    assert mma == "gemv_bn64_bk256_w4_s3_mma" and all(f"{mma}_err" in r for r in gemv)
     assert data["errors"] == []
     # --gemv16-tune: the three one-row bf16 projections, cuBLAS beside the 16-bit GEMV
     gemv16 = data["gemv16_tune"]
@@ -332,6 +334,7 @@ def test_kernel_classes_of_the_names_seen_on_the_h200():
 TRITON_KERNEL_CLASSES = {
     "_fp8_splitk_kernel": "FP8 GEMMs, Triton (experts and dense)",
     "_gemv_kernel": "FP8 GEMMs, Triton (experts and dense)",  # one row a group
+    "_gemv_mma_kernel": "FP8 GEMMs, Triton (experts and dense)",  # its tensor-core form
     "group_span": "other",  # the grouped kernels' jit helper, inlined (no launch)
     "pdl_start": "other",  # every kernel's first statement (PDL), inlined (no launch)
     "_grouped_gemm_kernel": "expert GEMMs",

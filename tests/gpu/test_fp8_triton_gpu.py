@@ -217,16 +217,18 @@ def test_split_k_sum_is_the_slice_order_sum_rounded_once(splits):
                               "batch-16-shared"])
 @pytest.mark.parametrize("ub", [None, 2.0])
 @pytest.mark.parametrize("n,k", [(320, 8192), (1000, 5000)], ids=["scout-k", "masked"])
-@pytest.mark.parametrize("partial", [False, True], ids=["elementwise", "partial"])
-def test_gemv_equals_cpu_reference(monkeypatch, sizes, ub, n, k, partial):
+@pytest.mark.parametrize("form", ["elementwise", "partial", "mma"])
+def test_gemv_equals_cpu_reference(monkeypatch, sizes, ub, n, k, form):
     """gemv_triton.fp8_gemv (on by default for one row a group) against the CPU's
     fake-quantized reference on random rows, as the split-K kernel is above: one row a
     group (a batch-1 step with the shared group last), groups of several rows (each row
-    re-reads the slab), masked tiles (N and K no multiples of the tile); with and without
-    the partial sums (gemv_triton.PARTIAL_ENABLED, off by default)."""
+    re-reads the slab; the tensor-core form takes 16 a pass), masked tiles (N and K no
+    multiples of the tile); each form (the partial sums, gemv_triton.PARTIAL_ENABLED, and
+    the tensor-core form, MMA_ENABLED, both off by default)."""
     from chunklocal.models import gemv_triton
 
-    monkeypatch.setattr(gemv_triton, "PARTIAL_ENABLED", partial)
+    monkeypatch.setattr(gemv_triton, "PARTIAL_ENABLED", form == "partial")
+    monkeypatch.setattr(gemv_triton, "MMA_ENABLED", form == "mma")
     e = len(sizes)
     w, scale = fp8_weights(e, n, k, seed=e + 21)
     x = bf16_rows(sum(sizes), k, seed=7)
@@ -239,24 +241,30 @@ def test_gemv_equals_cpu_reference(monkeypatch, sizes, ub, n, k, partial):
     assert error_ratio(got, x, w, scale, want, rows_of, ub=ub) <= 1.0
 
 
-@pytest.mark.parametrize("m", [1, 2, 3])
-def test_gemv_dense_equals_cpu_reference(m):
-    """The dense form (one group, no offsets) at Scout's down projection."""
+@pytest.mark.parametrize("m", [1, 2, 3, 17])
+@pytest.mark.parametrize("mma", [False, True], ids=["elementwise", "mma"])
+def test_gemv_dense_equals_cpu_reference(m, mma):
+    """The dense form (one group, no offsets) at Scout's down projection, elementwise and
+    on tensor cores (17 rows: two passes of 16)."""
     from chunklocal.models import gemv_triton
 
     n, k = 5120, 8192
     w, scale = fp8_weights(1, n, k, seed=m + 2000)
     x = bf16_rows(m, k, seed=m)
     xq, xs = quant.quantize_per_token(x.cuda())
-    got = gemv_triton.fp8_gemv(xq, xs, torch.bfloat16, w.cuda(), scale.cuda(), None)
+    got = gemv_triton.fp8_gemv(xq, xs, torch.bfloat16, w.cuda(), scale.cuda(), None, mma=mma)
     want = fp8_linear(x.float(), w[0], scale[0])
     assert error_ratio(got, x, w, scale, want) <= 1.0
 
 
 @torch.inference_mode()
-def test_gemv_replays_in_a_cuda_graph_with_new_routing():
+@pytest.mark.parametrize("mma", [False, True], ids=["elementwise", "mma"])
+def test_gemv_replays_in_a_cuda_graph_with_new_routing(monkeypatch, mma):
     """A graph captured once follows each step's routing (the slots' groups are found on
-    the device at every replay) and gives the eager call's bits."""
+    the device at every replay) and gives the eager call's bits, in both forms."""
+    from chunklocal.models import gemv_triton
+
+    monkeypatch.setattr(gemv_triton, "MMA_ENABLED", mma)
     check_replays_with_new_routing(lambda *a: moe_triton.fp8_grouped_mm_small(
         *a, gemv=True))
 

@@ -91,26 +91,32 @@ PARTIAL_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_PARTIAL", "0") == "1"
 #: form keeps :data:`DEFAULT_TILE` (its 1024-wide step would hold twice the bytes).
 PARTIAL_TILE = (16, 1024, 4)
 #: The tensor-core form (``CHUNKLOCAL_GEMV_MMA=1``; ``switch_ab --switches gemv_mma``;
-#: ``fp8_small_m --gemv-tune``'s ``_mma`` columns): the elementwise forms spend about three
-#: instructions a weight byte in their K loop (sm_90 SASS of the JIT's specialisation, 25th
-#: session): an e4m3 -> f16 pair conversion (``F2FP``) for every two weights and every two
-#: bytes of the row, an f16 -> f32 one (``HADD2.F32``) for each, an FFMA, where the H200's
-#: copy rate asks for about 16 bytes a clock of each SM.  Triton's ``tl.dot`` of e4m3 tiles
-#: at a 16-row M is an f16 MMA after the same conversions (the split-K kernel's case), but at
-#: M >= 64 it is the sm_90 e4m3 ``wgmma`` (``QGMMA``), which takes the bytes as they are.
-#: So the weights are the dot's M side, swapped with the rows (``out.T = w @ x.T``):
-#: ``BLOCK_N`` (64) output columns a program, the group's rows the N side padded to
-#: :data:`MMA_ROWS` (masked loads: no bytes read), the K loop a cp.async pipeline and one
-#: ``wgmma`` a K step: about 0.02 instructions a weight byte.  Up to :data:`MMA_ROWS` rows
-#: of a group take one pass over its slab (the elementwise forms re-read it per row).
-#: Numerics: ``tl.dot``'s float32 accumulation of e4m3 products (the split-K kernel's), not
-#: the elementwise forms' order.  Written after the device time: off until a GPU A/B.
+#: ``fp8_small_m --gemv-tune``'s ``_mma`` columns).  The elementwise forms' K loop, as the
+#: JIT compiles it for sm_90, spends 3.2-3.4 instructions a weight byte, about 0.6 of them
+#: e4m3 -> f16 pair conversions (``F2FP``, for the weights and again for the row's bytes)
+#: and 1.2 f16 -> f32 ones (``HADD2.F32``), where the H200's copy rate asks about 16 bytes
+#: a clock of each SM (BENCHMARKS.md, "Numbers behind code comments").  ``tl.dot`` of e4m3
+#: tiles at a 16-row M is an f16 MMA after the same conversions (the split-K kernel's
+#: case); at M >= 64 it is sm_90's e4m3 ``wgmma`` (``QGMMA``), which takes the bytes as
+#: they are.  So the weights are the dot's M side, swapped with the rows (``out.T = w @
+#: x.T``): ``BLOCK_N`` (64) output columns a program, the group's rows the N side padded
+#: to :data:`MMA_ROWS` (masked loads: no bytes read), the K loop a cp.async pipeline:
+#: 1.6 instructions a weight byte, none a conversion (tests/test_triton_sm90.py checks
+#: the machine code).  Up to :data:`MMA_ROWS` rows of a group take one pass over its slab
+#: (the elementwise forms re-read it per row).  Numerics: every :data:`MMA_IMPRECISE`
+#: products of the tensor core's reduced-precision accumulator added to a float32 sum, in
+#: another order than the elementwise forms'.  Written after the device time: off until a
+#: GPU A/B.
 MMA_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_MMA", "0") == "1"
 #: ``(block_n, block_k, num_warps, num_stages)`` of the tensor-core form: 64 weight rows
 #: (wgmma's M), 16 KB of weights a stage, three stages (61 KB of shared memory with the
 #: rows' tiles: three programs an SM, about 144 KB of weights in flight).
 MMA_TILE = (64, 256, 4, 3)
 MMA_ROWS = 16  # the rows' side of the dot (tl.dot's least N)
+#: e4m3 products a ``wgmma`` sums before a float32 add: one instruction's K (32), the
+#: bound tests/gpu/test_fp8_gpu.py's error model was set for (``ACC_U``); DeepSeek-V3
+#: promotes every 128 (four instructions, fewer waits: the next knob to try).
+MMA_IMPRECISE = 32
 
 
 def routed_slots(num_rows: int, num_experts: int) -> int:
@@ -211,7 +217,8 @@ if triton is not None:
                          stride_we, stride_wn, stride_se, stride_om, num_rows, num_experts,
                          HAS_OFFS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_R: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                         EXPERTS_POW2: tl.constexpr, PDL: tl.constexpr):
+                         EXPERTS_POW2: tl.constexpr, IMPRECISE: tl.constexpr,
+                         PDL: tl.constexpr):
         # out[rows, cols].T = w[expert, cols, :] @ xq[rows, :].T, scaled: the weights are the
         # dot's M side (wgmma's 64), the rows its N side (masked past the group's end)
         pdl_start(PDL)
@@ -238,7 +245,7 @@ if triton is not None:
                                  other=0.0)
                 xk = tl.load(x_cols + kk[:, None], mask=row_ok[None, :] & (kk < K)[:, None],
                              other=0.0)  # [BLOCK_K, BLOCK_R]: K-major, as wgmma's e4m3 B
-                acc = tl.dot(wk, xk, acc)
+                acc = tl.dot(wk, xk, acc, max_num_imprecise_acc=IMPRECISE)
             x_scale = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
             total = acc * w_scale[:, None] * x_scale[None, :]
             out = out_ptr + rows[None, :].to(tl.int64) * stride_om + cols[:, None]
@@ -295,8 +302,8 @@ def _launch_mma(xq, x_scale, w, w_scale, offs, out, block_n, block_k, num_warps,
         xq.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0), num_rows,
         num_experts, HAS_OFFS=offs is not None, BLOCK_N=tile[0], BLOCK_K=tile[1],
         BLOCK_R=MMA_ROWS, EVEN_N=n_dim % tile[0] == 0, EVEN_K=k_dim % tile[1] == 0,
-        EXPERTS_POW2=triton.next_power_of_2(num_experts), num_warps=tile[2],
-        num_stages=tile[3], **pdl_args(xq))
+        EXPERTS_POW2=triton.next_power_of_2(num_experts), IMPRECISE=MMA_IMPRECISE,
+        num_warps=tile[2], num_stages=tile[3], **pdl_args(xq))
 
 
 def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_warps, partial):
