@@ -14,19 +14,11 @@ Whether the compiled kernel is right and fast is the GPU tests' and benchmarks' 
 
 from __future__ import annotations
 
-import re
-import subprocess
-import tempfile
-from collections import Counter
-from pathlib import Path
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
+from benchmarks.sass_loops import Recorder, compile_launch  # noqa: E402
 from chunklocal.models import (  # noqa: E402
     gemv_triton,
     kv_write_triton,
@@ -37,91 +29,7 @@ from chunklocal.models import (  # noqa: E402
 )
 from chunklocal.models.quant import FP8  # noqa: E402
 
-SM90 = GPUTarget("cuda", 90, 32)
 BF16 = torch.bfloat16
-POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-           torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64",
-           torch.uint8: "*u8"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-
-
-class Recorder:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the
-    launch instead of running it."""
-
-    def __init__(self, fn):
-        self.fn, self.launches = fn, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
-
-
-def scalar_type(value) -> str:
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {value!r}")
-
-
-def compile_launch(fn, args, kwargs, as_jit: bool = False):
-    """The recorded launch's kernel, compiled for sm_90 (constexprs and launch options as
-    given): the signature names every parameter, so a missing or unknown one fails.
-    ``as_jit``: with the specialisation Triton's JIT gives a launch on the device (pointers
-    16-byte aligned, integers that are multiples of 16 marked so, integers equal to 1 as
-    constants; ``do_not_specialize`` honoured), which decides vector widths and the MMA
-    kind, so the machine code is the device's."""
-    options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
-    bound = dict(zip(fn.arg_names, args, strict=False)) | kwargs
-    assert set(bound) == set(fn.arg_names), (fn.__name__, set(fn.arg_names) ^ set(bound))
-    keep = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
-    signature, constexprs, attrs = {}, {}, {}
-    for index, param in enumerate(fn.params):
-        value = bound[param.name]
-        if param.is_constexpr:
-            signature[param.name], constexprs[param.name] = "constexpr", value
-            continue
-        if as_jit and (isinstance(value, torch.Tensor) or (
-                type(value) is int and param.name not in keep and value % 16 == 0)):
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        if as_jit and type(value) is int and param.name not in keep and value == 1:
-            signature[param.name], constexprs[param.name] = "constexpr", 1
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = POINTER[value.dtype]
-        else:
-            signature[param.name] = scalar_type(value)
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=SM90, options=options)
-
-
-def k_loop_ops(kernel) -> list[Counter]:
-    """Each loop of ``kernel``'s sm_90 machine code (a backward branch to a label; inner
-    loops first), as counts of its opcodes (``nvdisasm``, shipped with Triton)."""
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True,
-                              text=True, check=True).stdout
-    instructions, labels, label = [], {}, None
-    for line in sass.splitlines():
-        if match := re.match(r"\s*(\.L_x_\d+):", line):
-            label = match.group(1)
-        elif match := re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
-            address = int(match.group(1), 16)
-            instructions.append((address, match.group(2).split()))
-            if label:
-                labels[label], label = address, None
-    loops = []
-    for address, words in instructions:
-        target = re.match(r"`?\(?(\.L_x_\d+)", words[-1]) if "BRA" in words[:2] else None
-        if target and labels.get(target.group(1), address) < address:
-            start = labels[target.group(1)]
-            loops.append(Counter((w[1] if w[0].startswith("@") else w[0]).split(".")[0]
-                                 for a, w in instructions if start <= a <= address))
-    return sorted(loops, key=lambda ops: sum(ops.values()))
 
 
 @pytest.fixture
@@ -256,17 +164,22 @@ def test_gemv_mma_kernel_every_form(recorded):
     assert [grid for grid, _, _ in launches] == [(256, 2), (80, 2), (80, 17), (4, 1)]
     assert gemv_triton.MMA_TILE == (64, 256, 4, 3) and gemv_triton.MMA_ROWS == 16
     compile_all(recorded["_gemv_mma_kernel"], 4)
-    w13 = compile_launch(recorded["_gemv_mma_kernel"].fn, *launches[0][1:], as_jit=True)
-    k_loop = k_loop_ops(w13)[0]
-    assert k_loop["QGMMA"] >= 1 and k_loop["F2FP"] == 0 and k_loop["HMMA"] == 0, k_loop
-    # the control: the elementwise form converts its tiles in its K loop
-    rows = torch.zeros(2, 5120, dtype=FP8)
-    gemv_triton.fp8_gemv(rows, torch.ones(2, 1), BF16, torch.zeros(17, 16384, 5120, dtype=FP8),
-                         torch.ones(17, 16384), offs, mma=False)
-    (_, args, kwargs), = recorded["_gemv_kernel"].launches
-    elementwise = k_loop_ops(compile_launch(recorded["_gemv_kernel"].fn, args, dict(kwargs),
-                                            as_jit=True))[0]
-    assert elementwise["F2FP"] > 0 and elementwise["QGMMA"] == 0, elementwise
+
+
+def test_gemv_forms_k_loops_as_the_jit_compiles_them():
+    """benchmarks/sass_loops.py's reading of Scout's batch-1 w13 launch: the tensor-core
+    form's K loop is e4m3 wgmma (``QGMMA``) with no conversion (``F2FP``) and no f16 MMA
+    (``HMMA``: Triton's form below M = 64, or with ``max_num_imprecise_acc=0``), where the
+    elementwise forms convert every byte (the reason for the form:
+    gemv_triton.MMA_ENABLED)."""
+    from benchmarks.sass_loops import gemv_rows
+
+    rows = {row["form"]: row for row in gemv_rows()}
+    mma = rows["tensor cores"]
+    assert mma["QGMMA_a_byte"] > 0 and mma["F2FP_a_byte"] == 0 and mma["HMMA_a_byte"] == 0
+    for form in ("elementwise", "partial sums"):
+        assert rows[form]["F2FP_a_byte"] > 0.5 and rows[form]["QGMMA_a_byte"] == 0, form
+    assert mma["instructions_a_byte"] < rows["elementwise"]["instructions_a_byte"] / 1.5
 
 
 def test_split_k_sum_kernel(recorded):
