@@ -336,6 +336,7 @@ TRITON_KERNEL_CLASSES = {
     "_gemv_kernel": "FP8 GEMMs, Triton (experts and dense)",  # one row a group
     "_gemv_mma_kernel": "FP8 GEMMs, Triton (experts and dense)",  # its tensor-core form
     "group_span": "other",  # the grouped kernels' jit helper, inlined (no launch)
+    "gemv_slab": "other",  # the GEMV forms' jit helper, inlined (no launch)
     "pdl_start": "other",  # every kernel's first statement (PDL), inlined (no launch)
     "_grouped_gemm_kernel": "expert GEMMs",
     "_splitk_sum_kernel": "norms, reductions",  # the split-K slices' sum, where torch's sum was

@@ -159,6 +159,18 @@ if triton is not None:
             end = start + num_rows
         return expert, start, end
 
+    @triton.jit
+    def gemv_slab(w_ptr, offs_ptr, N, stride_we, stride_wn, num_rows, num_experts,
+                  HAS_OFFS: tl.constexpr, BLOCK_N: tl.constexpr, EXPERTS_POW2: tl.constexpr):
+        """This program's group (``expert``, its rows ``start:end``) and its ``BLOCK_N``
+        columns of the group's weights: ``(expert, start, end, cols, col_ok, w_rows)``,
+        ``w_rows`` the pointers of the columns' rows ``[BLOCK_N, 1]``."""
+        expert, start, end = group_span(offs_ptr, tl.program_id(1), num_rows, num_experts,
+                                        HAS_OFFS, True, EXPERTS_POW2)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        return expert, start, end, cols, cols < N, w_rows
+
     # num_rows (the batch) varies per call: no recompiles for it
     @triton.jit(do_not_specialize=["num_rows"])
     def _gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, out_ptr, N, K, stride_xm,
@@ -169,13 +181,10 @@ if triton is not None:
                      GROUP: tl.constexpr, PDL: tl.constexpr):
         # SCALED: e4m3 rows and weights with their scales; else 16-bit ones (xs, ws unused)
         pdl_start(PDL)
-        pid_n = tl.program_id(0)
-        expert, start, end = group_span(offs_ptr, tl.program_id(1), num_rows, num_experts,
-                                        HAS_OFFS, True, EXPERTS_POW2)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+        expert, start, end, cols, col_ok, w_rows = gemv_slab(
+            w_ptr, offs_ptr, N, stride_we, stride_wn, num_rows, num_experts, HAS_OFFS, BLOCK_N,
+            EXPERTS_POW2)
         ks = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
         if SCALED:
             w_scale = tl.load(ws_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)
         # The row's K offsets repeated down the tile's columns: its bytes are loaded as a
@@ -222,14 +231,11 @@ if triton is not None:
         # out[rows, cols].T = w[expert, cols, :] @ xq[rows, :].T, scaled: the weights are the
         # dot's M side (wgmma's 64), the rows its N side (masked past the group's end)
         pdl_start(PDL)
-        pid_n = tl.program_id(0)
-        expert, start, end = group_span(offs_ptr, tl.program_id(1), num_rows, num_experts,
-                                        HAS_OFFS, True, EXPERTS_POW2)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+        expert, start, end, cols, col_ok, w_rows = gemv_slab(
+            w_ptr, offs_ptr, N, stride_we, stride_wn, num_rows, num_experts, HAS_OFFS, BLOCK_N,
+            EXPERTS_POW2)
         ks = tl.arange(0, BLOCK_K)
         rs = tl.arange(0, BLOCK_R)
-        w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
         w_scale = tl.load(ws_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)
         for r0 in range(start, end, BLOCK_R):  # MMA_ROWS rows a pass over the slab
             rows = r0 + rs
