@@ -281,7 +281,7 @@ GEMV_MMA_TUNE = [(64, 256, 4, 3), (64, 128, 4, 4), (64, 512, 4, 2), (64, 256, 4,
 
 
 def gemv_label(tile) -> str:
-    if len(tile) == 4 and isinstance(tile[3], bool):
+    if isinstance(tile[3], bool):
         bn, bk, warps, part = tile
         return f"gemv_bn{bn}_bk{bk}_w{warps}{'_part' if part else ''}"
     bn, bk, warps, stages = tile

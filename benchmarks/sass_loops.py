@@ -69,10 +69,10 @@ def compile_launch(fn, args, kwargs, as_jit: bool = False):
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
             continue
-        if as_jit and (isinstance(value, torch.Tensor) or (
-                type(value) is int and param.name not in keep and value % 16 == 0)):
+        specialised = as_jit and type(value) is int and param.name not in keep
+        if (as_jit and isinstance(value, torch.Tensor)) or (specialised and value % 16 == 0):
             attrs[(index,)] = [["tt.divisibility", 16]]
-        if as_jit and type(value) is int and param.name not in keep and value == 1:
+        if specialised and value == 1:
             signature[param.name], constexprs[param.name] = "constexpr", 1
         elif isinstance(value, torch.Tensor):
             signature[param.name] = POINTER[value.dtype]

@@ -145,10 +145,8 @@ def test_gemv_kernel_every_form(recorded, monkeypatch):
 
 def test_gemv_mma_kernel_every_form(recorded):
     """The tensor-core GEMV (off by default) on Scout's expert shapes at a batch-1 step (17
-    groups, two of one row) and at 16 rows a group, a masked tile and the dense form; and
-    its K loop, compiled as the JIT compiles the batch-1 w13 launch, is e4m3 wgmma
-    (``QGMMA``) with no conversion of the weights (``F2FP``), where the elementwise form's
-    converts every byte (the reason for the form: gemv_triton.MMA_ENABLED)."""
+    groups, two of one row) and at 16 rows a group, a masked tile and the dense form, its
+    grid one routed slot per group with rows (its K loop: the test below)."""
     for n, k, per_group in ((16384, 5120, 1), (5120, 8192, 1), (5120, 8192, 16)):
         w, scale = torch.zeros(17, n, k, dtype=FP8), torch.ones(17, n)
         offs = torch.full((17,), 2 * per_group, dtype=torch.int32)
