@@ -3,7 +3,8 @@
 # comes late spends no time writing them.  From the repository root, on the device, with
 # `.whl` and `.fi-cache.tgz` carried:
 #   bash benchmarks/device_calls.sh ab       # quant1's tokens, the GEMV forms, the batch-1 A/B,
-#                                            # the switches' tokens
+#                                            # the switches' tokens (with no kernels carried:
+#                                            # those tokens move to `ab2`)
 #   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
 #   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
@@ -34,9 +35,18 @@ bench() {  # bench LIMIT_S LOG_NAME MODULE ARGS...
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv \
   | tee "$OUT/nvidia-smi.txt"
 big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))")
+# A fresh checkout carries no compiled kernels: the first pytest step compiles them
+# (15-80 s each), so it gets longer and the switches' token step moves to `ab2`.
+cold=0; [ -f .fi-cache.tgz ] || cold=1
+ab_tokens() {  # the engine's tokens with the candidates on (the tensor-core GEMV takes the
+  # one-row groups where the partial sums would: run GEMV_PARTIAL=1 instead if the A/B picks it)
+  ( export CHUNKLOCAL_PDL=1 CHUNKLOCAL_GEMV_MMA=1 CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1
+    pt "$1" tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_triton_gpu.py \
+      -k "gemv or oracle or tokens" )
+}
 case ${1:-ab} in
   ab)
-    pt 140 tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_quant_gpu.py
+    pt $(( cold ? 230 : 140 )) tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_quant_gpu.py
     pt 60 tests/gpu/test_fp8_triton_gpu.py -k gemv  # every form, the tensor-core one too
     if [ "$big" = 1 ]; then model="--model scout-fp8 --repeats 3"
     else model="--model scout-fp8-12 --repeats 4"; fi
@@ -69,7 +79,7 @@ case ${1:-ab} in
         --out "$OUT/probe_$name.json" > "$OUT/$name.txt" 2>&1
       echo "rc=$?"; tail -6 "$OUT/$name.txt"
     done ;;
-  *) echo "unknown call: $1 (ab, tune, stress, suite, sanitize)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"
