@@ -198,7 +198,7 @@ def prompt_logits(llm, prompts, last_only: bool) -> list[torch.Tensor]:
     _wait(llm, requests, False)
     _refuse_aborted(requests, "prompt_logits")
     # A preempted request recomputes its prompt from position 0: its last pass is whole.
-    return [torch.cat(r.samples[0].seq.captured)[-(1 if last_only else len(ids)):]
+    return [torch.cat(r.seqs[0].captured)[-(1 if last_only else len(ids)):]
             for r, ids in zip(requests, token_lists, strict=True)]
 
 

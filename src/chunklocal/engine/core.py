@@ -242,11 +242,11 @@ class EngineCore:
 
     def _add(self, req: Request) -> None:
         self._requests[req.request_id] = req
-        for sample in req.samples:
-            if sample.seq.capture is not None:
+        for seq in req.seqs:
+            if seq.capture is not None:
                 self.llm.runner.capturing += 1
-            self.num_penalised += _penalised(sample.params)
-            self.scheduler.add(sample.seq)
+            self.num_penalised += _penalised(seq.params)
+            self.scheduler.add(seq)
         self.prompt_tokens_total += len(req.prompt_token_ids)
         with self._lock:
             self._pending -= len(req.samples)
@@ -256,9 +256,9 @@ class EngineCore:
         if req is None:
             return
         with req.stream.lock:
-            for sample in req.samples:
+            for sample, seq in zip(req.samples, req.seqs, strict=True):
                 if sample.finish_reason is None:
-                    self.scheduler.abort(sample.seq)
+                    self.scheduler.abort(seq)
                     sample.finish("abort")
             self._finish(req)
 
@@ -266,10 +266,10 @@ class EngineCore:
         """The request is done (call with its stream's condition held): publish, forget."""
         req.finished_time = time.monotonic()
         req.error = error
-        for sample in req.samples:
-            if sample.seq.capture is not None:
+        for seq in req.seqs:
+            if seq.capture is not None:
                 self.llm.runner.capturing -= 1
-            self.num_penalised -= _penalised(sample.params)
+            self.num_penalised -= _penalised(seq.params)
         self._requests.pop(req.request_id, None)
         with self._lock:
             self._live.pop(req.request_id, None)
@@ -362,17 +362,18 @@ class EngineCore:
         wake = Wakeups()
         try:
             for i, seq in enumerate(batch.seqs):
-                req = seq.sample.request
+                req = seq.request
+                sample = req.samples[seq.index]
                 if req.first_step is None:
                     req.first_step = step
                 req.last_step = step
-                if len(out.tokens[i]) == 0 or seq.sample.finish_reason is not None:
+                if len(out.tokens[i]) == 0 or sample.finish_reason is not None:
                     continue  # a prefill piece short of the prompt's end, or finished
                 with req.stream.lock:
-                    self._advance(seq.sample, seq, out, i, now)
+                    self._advance(req, sample, seq, out, i, now)
                     if len(req.samples) > 1:
                         multi[req.request_id] = req
-                    elif seq.sample.finish_reason is not None:
+                    elif sample.finish_reason is not None:
                         self._finish(req, wakeups=wake)
                     else:
                         req.stream.publish(wake)
@@ -385,10 +386,10 @@ class EngineCore:
         finally:  # a reader published to is woken even if a later request raised
             wake.send()
 
-    def _advance(self, sample, seq, out, i: int, now: float) -> None:
+    def _advance(self, req, sample, seq, out, i: int, now: float) -> None:
         """Move the step's new tokens of ``seq`` into its sample: text, stop strings,
         logprobs."""
-        req, params = sample.request, sample.params
+        params = sample.params
         new = seq.token_ids[seq.num_prompt_tokens + len(sample.token_ids):]
         if new and req.first_token_time is None:
             req.first_token_time = now

@@ -81,7 +81,7 @@ class _Forwarder(threading.Thread):
             sent[i] = (len(s.token_ids), len(text), 0 if s.logprobs is None else len(s.logprobs))
         error = None if req.error is None else _portable(req.error)
         done = req.finished or error is not None
-        cached = req.samples[0].seq.num_cached_tokens if req.samples else None
+        cached = req.seqs[0].num_cached_tokens if req.seqs else None
         meta = (req.first_token_time, req.finished_time, cached)
         changed = done or self._meta.get(req.request_id) != meta
         self._meta[req.request_id] = meta

@@ -231,9 +231,10 @@ def build_request(core, prompt_token_ids, params, request_id=None, prompt=None,
             seed=params.seed + i, n=1)
         seq = Sequence(next(core.seq_ids), ids, child, groups)
         seq.block_hashes, seq.cache_key = hashes, key
-        sample = Sample(req, i, child, tokenizer, seq)
-        seq.sampling_row, seq.capture, seq.sample = sampling_row(child), capture, sample
-        req.samples.append(sample)
+        seq.sampling_row, seq.capture = sampling_row(child), capture
+        seq.request, seq.index = req, i
+        req.samples.append(Sample(i, child, tokenizer))
+        req.seqs.append(seq)
     return req
 
 

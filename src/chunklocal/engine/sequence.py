@@ -70,9 +70,11 @@ class Sequence:
         #: "all" / "last": the runner keeps this request's prompt logits (prompt_logits).
         self.capture: str | None = None
         self.captured: list = []
-        #: The engine core's Sample this sequence feeds (engine/stream.py, which imports
-        #: this module: typed Any so that the import graph stays acyclic).
-        self.sample: Any = None
+        #: The engine core's Request this is sample ``index`` of (engine/stream.py, which
+        #: imports this module: typed Any so that the import graph stays acyclic); its
+        #: output state is ``request.samples[index]``.
+        self.request: Any = None
+        self.index = 0
         #: Overlapped steps (engine/overlap.py): index in token_ids of the token still on
         #: the device, and its row in that step's samples.
         self.placeholder_index: int | None = None

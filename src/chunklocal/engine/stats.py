@@ -38,7 +38,7 @@ class GenerateStats:
 
 def call_stats(core, requests, seconds: float) -> GenerateStats:
     """Statistics of one call's (finished) requests."""
-    seqs = [s.seq for r in requests for s in r.samples]
+    seqs = [s for r in requests for s in r.seqs]
     firsts = [r.first_step for r in requests if r.first_step is not None]
     log = core.step_log
     steps, picked = 0, []

@@ -57,10 +57,12 @@ def _set_all(events) -> None:
 
 
 class Sample:
-    """One of a request's ``n`` samples: what has been emitted so far."""
+    """One of a request's ``n`` samples: what has been emitted to the client so far (the
+    loop thread writes it under the stream's lock; readers take the lock).  Its engine
+    state is the request's ``seqs[index]``; neither points at the other."""
 
-    def __init__(self, request, index: int, params, tokenizer, seq: Sequence):
-        self.request, self.index, self.params = request, index, params
+    def __init__(self, index: int, params, tokenizer):
+        self.index, self.params = index, params
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None \
             else None
@@ -70,7 +72,6 @@ class Sample:
         self.detok = None if tokenizer is None else IncrementalDetokenizer(
             tokenizer, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output)
-        self.seq = seq  # its engine Sequence
 
     @property
     def text(self) -> str:
@@ -91,7 +92,10 @@ class Sample:
 
 
 class Request:
-    """A client request: prompt, params and ``n`` samples (loop-thread state)."""
+    """A client request: prompt, params and, per sample ``i`` of ``n``, its output state
+    ``samples[i]`` and its engine sequence ``seqs[i]`` (``seqs[i].request`` is this
+    request, ``seqs[i].index`` is ``i``).  The request owns both; the one object shared
+    with clients is ``stream``."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params, prompt,
                  arrival_time: float):
@@ -101,6 +105,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.samples: list[Sample] = []
+        self.seqs: list[Sequence] = []
         self.error: BaseException | None = None
         self.first_step: int | None = None
         self.last_step: int | None = None
@@ -124,7 +129,7 @@ class Request:
         # prompt_token_ids is shared, not copied per snapshot: treat it as read-only.
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.output() for s in self.samples], self.finished, self.metrics(),
-                             self.samples[0].seq.num_cached_tokens if self.samples else None)
+                             self.seqs[0].num_cached_tokens if self.seqs else None)
 
 
 class Published(Protocol):
