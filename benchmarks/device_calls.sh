@@ -9,6 +9,8 @@
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
 #   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
 #   bash benchmarks/device_calls.sh sanitize # issue 20: the FA3 probe under each compute-sanitizer tool
+#   bash benchmarks/device_calls.sh ragged   # issue 20, item 4: the step's own keys ragged + paged,
+#                                            # merged by LSE, against paged only (never run)
 # Each step has its own time limit (a call may run 600 s), writes under $OUT as it goes,
 # and the call ends by packing the compiled kernels into $OUT/fi-cache.tgz.part* (cat them
 # into .fi-cache.tgz here).  pytest summaries also land in $OUT/pytest-summaries.txt: a wide
@@ -79,7 +81,9 @@ case ${1:-ab} in
         --out "$OUT/probe_$name.json" > "$OUT/$name.txt" 2>&1
       echo "rc=$?"; tail -6 "$OUT/$name.txt"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize)"; exit 2 ;;
+  ragged)
+    bench 540 prefill_ragged benchmarks.prefill_ragged --out "$OUT/ragged" ;;
+  *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize, ragged)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"
