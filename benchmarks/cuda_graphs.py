@@ -10,6 +10,13 @@ batch size B (1, 8, 64, 256) the step, metadata update included, is timed as:
   non-blocking copies) + replay of a graph holding the two forwards, captured over
   ``capture_step(B, 1)`` as the engine does.
 
+``--max-model-len`` plans the graphs for a longer limit than the contexts, as a server
+with a long ``--max-model-len`` does:
+
+    python -m benchmarks.cuda_graphs --batch-sizes 1 8 --min-context 1024 --max-context 1024
+    python -m benchmarks.cuda_graphs --batch-sizes 1 8 --min-context 1024 --max-context 1024 \
+        --max-model-len 131072
+
 (A device-side metadata path, captured in the graph, was measured before and removed:
 the engine never used it.)  Graph outputs are checked against eager before timing.
 """
@@ -45,7 +52,9 @@ def run_batch(b: int, args) -> dict:
     geometry = (block, wl.NUM_KV_HEADS, wl.HEAD_DIM, torch.bfloat16)
     spec = merge([ChunkedLocalAttentionSpec(*geometry, attention_chunk_size=chunk),
                   FullAttentionSpec(*geometry)])
-    model_len = -(-args.max_context // block) * block
+    # The graph plans split-KV for the longest keys a slot can read (docs/gpu.md): a
+    # longer max_model_len than the contexts (a server's --max-model-len) splits coarser.
+    model_len = -(-max(args.max_context, args.max_model_len or 0) // block) * block
     limits = EngineLimits(b, b, model_len, block)
     backend = FlashInferBackend(spec, limits, wl.NUM_Q_HEADS, wl.NUM_KV_HEADS, wl.HEAD_DIM,
                                 torch.bfloat16, "cuda", cuda_graphs=True,
@@ -72,7 +81,7 @@ def run_batch(b: int, args) -> dict:
         backend.build(qsl, seq, table, graph_batch_size=b)
         host_graph.replay()
 
-    row = {"batch": b, "max_context": args.max_context}
+    row = {"batch": b, "max_context": args.max_context, "max_model_len": model_len}
     host_graph_step()
     torch.cuda.synchronize()
     row["host_graph_rel_err"] = max(rel(o, e) for o, e in zip(host_out, eager_out, strict=True))
@@ -109,6 +118,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-context", type=int, default=1024)
     parser.add_argument("--max-context", type=int, default=32768)
     parser.add_argument("--chunk", type=int, default=wl.CHUNK)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engine limit the graphs plan for (default: --max-context)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.batch_sizes, args.max_context, args.chunk = [1, 4], 3000, 1024

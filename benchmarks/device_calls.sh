@@ -11,6 +11,8 @@
 #   bash benchmarks/device_calls.sh sanitize # issue 20: the FA3 probe under each compute-sanitizer tool
 #   bash benchmarks/device_calls.sh ragged   # issue 20, item 4: the step's own keys ragged + paged,
 #                                            # merged by LSE, against paged only (never run)
+#   bash benchmarks/device_calls.sh splitkv  # decode graphs at 1k contexts planned for 1k keys
+#                                            # and for a 128k max_model_len (runbook)
 # Each step has its own time limit (a call may run 600 s), writes under $OUT as it goes,
 # and the call ends by packing the compiled kernels into $OUT/fi-cache.tgz.part* (cat them
 # into .fi-cache.tgz here).  pytest summaries also land in $OUT/pytest-summaries.txt: a wide
@@ -83,7 +85,12 @@ case ${1:-ab} in
     done ;;
   ragged)
     bench 540 prefill_ragged benchmarks.prefill_ragged --out "$OUT/ragged" ;;
-  *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize, ragged)"; exit 2 ;;
+  splitkv)
+    for len in 1024 131072; do
+      bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
+        --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len.json"
+    done ;;
+  *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize, ragged, splitkv)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"
