@@ -88,7 +88,7 @@ case ${1:-ab} in
   splitkv)
     for len in 1024 131072; do
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
-        --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len.json"
+        --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
   *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize, ragged, splitkv)"; exit 2 ;;
 esac
