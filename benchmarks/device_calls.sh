@@ -11,6 +11,9 @@
 #   bash benchmarks/device_calls.sh sanitize # issue 20: the FA3 probe under each compute-sanitizer tool
 #   bash benchmarks/device_calls.sh ragged   # issue 20, item 4: the step's own keys ragged + paged,
 #                                            # merged by LSE, against paged only (never run)
+#   bash benchmarks/device_calls.sh quick    # Triton only (no FlashInfer kernel to compile, for
+#                                            # a call of under 200 s): the one-pass quantization
+#                                            # and every GEMV form against the torch reference
 #   bash benchmarks/device_calls.sh splitkv  # decode graphs at 1k contexts planned for 1k keys
 #                                            # and for a 128k max_model_len (runbook)
 # Each step has its own time limit (a call may run 600 s), writes under $OUT as it goes,
@@ -85,12 +88,15 @@ case ${1:-ab} in
     done ;;
   ragged)
     bench 540 prefill_ragged benchmarks.prefill_ragged --out "$OUT/ragged" ;;
+  quick)
+    pt 80 tests/gpu/test_fp8_quant_gpu.py
+    pt 90 tests/gpu/test_fp8_triton_gpu.py -k gemv ;;
   splitkv)
     for len in 1024 131072; do
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize, ragged, splitkv)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize, ragged, splitkv, quick)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"
