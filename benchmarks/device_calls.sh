@@ -23,6 +23,12 @@
 set -u
 source .whl/device-env.sh || exit 1
 find /tmp/site -exec touch -h -d '2020-01-01 00:00' {} + 2>/dev/null
+# FlashInfer kernels compiled on the CPU machine (tools/flashinfer_aot.py): FlashInfer
+# loads data/aot/<name>/<name>.so before it compiles anything.
+if [ -f .fi-aot.tgz ]; then
+  mkdir -p /tmp/site/flashinfer/data/aot && tar xzf .fi-aot.tgz -C /tmp/site/flashinfer/data/aot \
+    && echo "AOT kernels: $(ls /tmp/site/flashinfer/data/aot | wc -l) modules"
+fi
 export TRITON_CACHE_DIR=$PWD/.fi-cache/triton
 export CHUNKLOCAL_TEST_LOG=$OUT/tests.log
 t0=$(date +%s)
