@@ -55,7 +55,7 @@ def specs(fa3: bool):
         # no soft cap, no fp16 qk reduction): what the wrappers' plan() passes
         args = (bf16, kv, bf16, idx, 128, 128, 0, False, False, False)
         out.append(_gen_batch_prefill_primary_module("fa2", *args))
-        if fa3:
+        if fa3 and kv is bf16:  # FA3 takes FP8 KV only beside FP8 queries
             out.append(gen_batch_prefill_module("fa3", *args))
     out.append(gen_act_and_mul_module("silu"))
     out.append(gen_sampling_module())
