@@ -11,6 +11,7 @@
 #   bash benchmarks/device_calls.sh sanitize # issue 20: the FA3 probe under each compute-sanitizer tool
 #   bash benchmarks/device_calls.sh ragged   # issue 20, item 4: the step's own keys ragged + paged,
 #                                            # merged by LSE, against paged only (never run)
+#   bash benchmarks/device_calls.sh tokens   # the FP8 engine tokens with the defaults alone
 #   bash benchmarks/device_calls.sh quick    # Triton only (no FlashInfer kernel to compile, for
 #                                            # a call of under 200 s): the one-pass quantization
 #                                            # and every GEMV form against the torch reference
@@ -94,6 +95,8 @@ case ${1:-ab} in
     done ;;
   ragged)
     bench 540 prefill_ragged benchmarks.prefill_ragged --out "$OUT/ragged" ;;
+  tokens)  # the engine's FP8 tokens with the defaults (one-pass quantization on), first
+    pt "${TOKENS_LIMIT:-175}" tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_quant_gpu.py ;;
   quick)
     pt 80 tests/gpu/test_fp8_quant_gpu.py
     pt 90 tests/gpu/test_fp8_triton_gpu.py -k gemv ;;
@@ -102,7 +105,7 @@ case ${1:-ab} in
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize, ragged, splitkv, quick)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"
