@@ -11,11 +11,13 @@ from the archive is compiled on the device as before.
 
     pip download --no-deps --only-binary=:all: apache-tvm-ffi==0.1.15.post2 -d /tmp/fiw
     pip install --no-deps --target /tmp/fisite /tmp/fiw/*.whl nvidia-ml-py einops \\
-        .whl/flashinfer_python-*.whl
+        nvidia-curand .whl/flashinfer_python-*.whl
     PYTHONPATH=/tmp/fisite python tools/flashinfer_aot.py            # writes .fi-aot.tgz
 
 The link asks for the driver (``-lcuda``), which a machine without a GPU lacks; the tool
-links against an empty stand-in with its soname (the modules end up not needing it).
+links against an empty stand-in with its soname (the modules end up not needing it).  The
+sampling kernels include ``curand_kernel.h`` (header-only Philox), which this CUDA install
+lacks: the tool adds ``nvidia-curand``'s include folder, found on ``sys.path``.
 
 The module list follows what the engine asks for (backends/flashinfer, models/fused.py,
 engine/sampler.py) at Llama-4's head_dim 128: the FA2 paged prefill kernel (which the
@@ -75,14 +77,23 @@ def main(argv=None) -> int:
     if shutil.which("nvcc") is None:
         print("flashinfer_aot: no nvcc on this machine", file=sys.stderr)
         return 2
+    if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/lib64").is_dir():
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"  # where libcudart is (the link needs it)
     stub = work / "libcuda-stub"
     stub.mkdir(parents=True, exist_ok=True)
     subprocess.run(["cc", "-shared", "-x", "c", "-", "-o", str(stub / "libcuda.so"),
                     "-Wl,-soname,libcuda.so.1"], input=b"", check=True)
     os.environ["FLASHINFER_EXTRA_LDFLAGS"] = f"-L{stub}"
     built = []
+    curand = [Path(p) / "nvidia" / "cu13" / "include" for p in sys.path if p]
+    curand = [p for p in curand if (p / "curand_kernel.h").exists()]
     for spec in specs(args.fa3):
         start = time.time()
+        # read when the module's build file is written: only the sampling kernels get it
+        # (a changed flag makes ninja rebuild a module whose objects are already there)
+        os.environ.pop("FLASHINFER_EXTRA_CUDAFLAGS", None)
+        if spec.name == "sampling" and curand:
+            os.environ["FLASHINFER_EXTRA_CUDAFLAGS"] = f"-I{curand[0]}"
         spec.build()
         path = spec.jit_library_path
         print(f"{spec.name}: {time.time() - start:.0f} s, "
