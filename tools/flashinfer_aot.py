@@ -12,7 +12,7 @@ from the archive is compiled on the device as before.
     pip download --no-deps --only-binary=:all: apache-tvm-ffi==0.1.15.post2 -d /tmp/fiw
     pip install --no-deps --target /tmp/fisite /tmp/fiw/*.whl nvidia-ml-py einops \\
         nvidia-curand .whl/flashinfer_python-*.whl
-    PYTHONPATH=/tmp/fisite python tools/flashinfer_aot.py            # writes .fi-aot.tgz
+    PYTHONPATH=/tmp/fisite python tools/flashinfer_aot.py   # writes .fi-aot.tgz, then checks it
 
 The link asks for the driver (``-lcuda``), which a machine without a GPU lacks; the tool
 links against an empty stand-in with its soname (the modules end up not needing it).  The
@@ -23,7 +23,10 @@ The module list follows what the engine asks for (backends/flashinfer, models/fu
 engine/sampler.py) at Llama-4's head_dim 128: the FA2 paged prefill kernel (which the
 tensor-core decode wrapper also runs) for bf16 and FP8 KV, the FA3 one with
 ``--fa3``, ``silu_and_mul`` and the sampling kernels.  Each module's name is FlashInfer's
-own (its generator functions are called here), so a device asking for it finds it.
+own (its generator functions are called here), so a device asking for it finds it.  The
+tool ends by loading the archive as the device will (``check``: unpacked into the package's
+``data/aot``, a fresh process, JIT disabled): a module FlashInfer would not take from there
+fails it (a module left out of the archive did: ``AssertionError: sampling``).
 """
 
 from __future__ import annotations
@@ -104,7 +107,44 @@ def main(argv=None) -> int:
             tar.add(path, arcname=f"{name}/{name}.so")
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB, "
           f"{len(built)} modules)")
-    return 0
+    return check(args.out, args.fa3)
+
+
+CHECK = """
+import torch
+from tools.flashinfer_aot import specs
+for spec in specs({fa3}):
+    assert spec.is_aot, spec.name
+    spec.build_and_load()  # FLASHINFER_DISABLE_JIT: a build would raise
+    print("loads without a build:", spec.name)
+"""
+
+
+def check(archive: Path, fa3: bool) -> int:
+    """Load every module of ``archive`` as the device will: unpacked into the installed
+    package's ``data/aot``, in a fresh process with an empty JIT cache and JIT disabled
+    (so a module FlashInfer did not take from ``data/aot`` raises instead of building)."""
+    from flashinfer.jit import env
+
+    aot = env.FLASHINFER_AOT_DIR
+    if aot.exists():
+        print(f"flashinfer_aot: {aot} exists already; not checking", file=sys.stderr)
+        return 1
+    cuda_lib = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "lib64"
+    try:
+        aot.mkdir(parents=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(aot, filter="data")
+        with tempfile.TemporaryDirectory() as empty:
+            env_vars = dict(os.environ, FLASHINFER_WORKSPACE_BASE=empty,
+                            FLASHINFER_DISABLE_JIT="1",
+                            LD_LIBRARY_PATH=f"{cuda_lib}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+                            PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path[1:]))
+            done = subprocess.run([sys.executable, "-c", CHECK.format(fa3=fa3)],
+                                  env=env_vars, cwd=ROOT)
+        return done.returncode
+    finally:
+        shutil.rmtree(aot, ignore_errors=True)
 
 
 if __name__ == "__main__":
