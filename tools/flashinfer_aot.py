@@ -16,7 +16,7 @@ from the archive is compiled on the device as before.
 
 The link asks for the driver (``-lcuda``), which a machine without a GPU lacks; the tool
 links against an empty stand-in with its soname (the modules end up not needing it).  The
-sampling kernels include ``curand_kernel.h`` (header-only Philox), which this CUDA install
+sampling kernels and FA3's include ``curand_kernel.h`` (header-only), which this CUDA install
 lacks: the tool adds ``nvidia-curand``'s include folder, found on ``sys.path``.
 
 The module list follows what the engine asks for (backends/flashinfer, models/fused.py,
@@ -90,13 +90,10 @@ def main(argv=None) -> int:
     built = []
     curand = [Path(p) / "nvidia" / "cu13" / "include" for p in sys.path if p]
     curand = [p for p in curand if (p / "curand_kernel.h").exists()]
+    if curand:
+        os.environ["FLASHINFER_EXTRA_CUDAFLAGS"] = f"-I{curand[0]}"
     for spec in specs(args.fa3):
         start = time.time()
-        # read when the module's build file is written: only the sampling kernels get it
-        # (a changed flag makes ninja rebuild a module whose objects are already there)
-        os.environ.pop("FLASHINFER_EXTRA_CUDAFLAGS", None)
-        if spec.name == "sampling" and curand:
-            os.environ["FLASHINFER_EXTRA_CUDAFLAGS"] = f"-I{curand[0]}"
         spec.build()
         path = spec.jit_library_path
         print(f"{spec.name}: {time.time() - start:.0f} s, "
