@@ -300,16 +300,24 @@ def _launch_mma(xq, x_scale, w, w_scale, offs, out, block_n, block_k, num_warps,
     """The tensor-core form's one launch, the tile's None entries from :data:`MMA_TILE`."""
     tile = [MMA_TILE[i] if v is None else v
             for i, v in enumerate((block_n, block_k, num_warps, num_stages))]
-    num_rows, k_dim = xq.shape
+    _launch_slabs(_gemv_mma_kernel, xq, x_scale, w, w_scale, offs, out, tile[0], tile[1],
+                  BLOCK_R=MMA_ROWS, IMPRECISE=MMA_IMPRECISE, num_warps=tile[2],
+                  num_stages=tile[3])
+
+
+def _launch_slabs(kernel, x, x_scale, w, w_scale, offs, out, block_n, block_k, **meta):
+    """Launch either GEMV kernel over its grid (``block_n`` columns of one group's
+    weights a program, :func:`routed_slots` groups) with the arguments both take; the
+    kernel's own ones in ``meta``."""
+    num_rows, k_dim = x.shape
     num_experts, n_dim, _ = w.shape
     slots = 1 if offs is None else routed_slots(num_rows, num_experts)
-    _gemv_mma_kernel[(triton.cdiv(n_dim, tile[0]), slots)](
-        xq, x_scale, w, w_scale, xq if offs is None else offs, out, n_dim, k_dim,
-        xq.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0), num_rows,
-        num_experts, HAS_OFFS=offs is not None, BLOCK_N=tile[0], BLOCK_K=tile[1],
-        BLOCK_R=MMA_ROWS, EVEN_N=n_dim % tile[0] == 0, EVEN_K=k_dim % tile[1] == 0,
-        EXPERTS_POW2=triton.next_power_of_2(num_experts), IMPRECISE=MMA_IMPRECISE,
-        num_warps=tile[2], num_stages=tile[3], **pdl_args(xq))
+    kernel[(triton.cdiv(n_dim, block_n), slots)](
+        x, x_scale, w, w_scale, x if offs is None else offs, out, n_dim, k_dim, x.stride(0),
+        w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0), num_rows, num_experts,
+        HAS_OFFS=offs is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_N=n_dim % block_n == 0, EVEN_K=k_dim % block_k == 0,
+        EXPERTS_POW2=triton.next_power_of_2(num_experts), **meta, **pdl_args(x))
 
 
 def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_warps, partial):
@@ -321,19 +329,10 @@ def _launch(x, x_scale, w, w_scale, offs, out, scaled, block_n, block_k, num_war
     block_n = tile[0] if block_n is None else block_n
     block_k = tile[1] if block_k is None else block_k
     num_warps = tile[2] if num_warps is None else num_warps
-    num_rows, k_dim = x.shape
-    num_experts, n_dim, _ = w.shape
-    slots = 1 if offs is None else routed_slots(num_rows, num_experts)
-    grid = (triton.cdiv(n_dim, block_n), slots)
-    _gemv_kernel[grid](
-        x, x_scale, w, w_scale, x if offs is None else offs, out, n_dim, k_dim, x.stride(0),
-        w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0), num_rows, num_experts,
-        SCALED=scaled, HAS_OFFS=offs is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_N=n_dim % block_n == 0, EVEN_K=k_dim % block_k == 0,
-        EXPERTS_POW2=triton.next_power_of_2(num_experts),
-        PARTIAL=partial,
-        GROUP=16 // w.element_size(), num_warps=num_warps,  # GROUP: a 16-byte load's weights
-        **pdl_args(x))
+    _launch_slabs(_gemv_kernel, x, x_scale, w, w_scale, offs, out, block_n, block_k,
+                  SCALED=scaled, PARTIAL=partial,
+                  GROUP=16 // w.element_size(),  # a 16-byte load's weights
+                  num_warps=num_warps)
 
 
 #: Whether :func:`linear` runs a plain 16-bit ``nn.Linear`` of one row (a batch-1 decode
