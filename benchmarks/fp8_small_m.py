@@ -281,11 +281,11 @@ GEMV_MMA_TUNE = [(64, 256, 4, 3), (64, 128, 4, 4), (64, 512, 4, 2), (64, 256, 4,
 
 
 def gemv_label(tile) -> str:
-    if isinstance(tile[3], bool):
-        bn, bk, warps, part = tile
-        return f"gemv_bn{bn}_bk{bk}_w{warps}{'_part' if part else ''}"
-    bn, bk, warps, stages = tile
-    return f"gemv_bn{bn}_bk{bk}_w{warps}_s{stages}_mma"
+    kw = gemv_keywords(tile)
+    label = f"gemv_bn{kw['block_n']}_bk{kw['block_k']}_w{kw['num_warps']}"
+    if kw.get("mma"):
+        return f"{label}_s{kw['num_stages']}_mma"
+    return f"{label}{'_part' if kw['partial'] else ''}"
 
 
 def gemv_keywords(tile) -> dict:
