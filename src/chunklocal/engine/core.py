@@ -370,7 +370,7 @@ class EngineCore:
                 if len(out.tokens[i]) == 0 or sample.finish_reason is not None:
                     continue  # a prefill piece short of the prompt's end, or finished
                 with req.stream.lock:
-                    self._advance(req, sample, seq, out, i, now)
+                    self._advance(sample, seq, out, i, now)
                     if len(req.samples) > 1:
                         multi[req.request_id] = req
                     elif sample.finish_reason is not None:
@@ -386,10 +386,10 @@ class EngineCore:
         finally:  # a reader published to is woken even if a later request raised
             wake.send()
 
-    def _advance(self, req, sample, seq, out, i: int, now: float) -> None:
+    def _advance(self, sample, seq, out, i: int, now: float) -> None:
         """Move the step's new tokens of ``seq`` into its sample: text, stop strings,
         logprobs."""
-        params = sample.params
+        req, params = seq.request, sample.params
         new = seq.token_ids[seq.num_prompt_tokens + len(sample.token_ids):]
         if new and req.first_token_time is None:
             req.first_token_time = now
