@@ -87,11 +87,11 @@ def main(argv=None) -> int:
     subprocess.run(["cc", "-shared", "-x", "c", "-", "-o", str(stub / "libcuda.so"),
                     "-Wl,-soname,libcuda.so.1"], input=b"", check=True)
     os.environ["FLASHINFER_EXTRA_LDFLAGS"] = f"-L{stub}"
-    built = []
     curand = [Path(p) / "nvidia" / "cu13" / "include" for p in sys.path if p]
     curand = [p for p in curand if (p / "curand_kernel.h").exists()]
     if curand:
         os.environ["FLASHINFER_EXTRA_CUDAFLAGS"] = f"-I{curand[0]}"
+    built = []
     for spec in specs(args.fa3):
         start = time.time()
         spec.build()
@@ -108,7 +108,6 @@ def main(argv=None) -> int:
 
 
 CHECK = """
-import torch
 from tools.flashinfer_aot import specs
 for spec in specs({fa3}):
     assert spec.is_aot, spec.name
