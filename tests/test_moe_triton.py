@@ -445,12 +445,12 @@ GEMV16_SCRIPT = textwrap.dedent("""
         want = x.double() @ w.double().T
         assert got.shape == (1, n) and got.dtype == x.dtype
         assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
-    # the partial sums' form (gemv_triton.PARTIAL_ENABLED, off by default)
-    assert not gemv_triton.PARTIAL_ENABLED
-    gemv_triton.PARTIAL_ENABLED = True
+    # the partial sums' form (gemv_triton.PARTIAL_ENABLED, on by default) and the plain one
+    assert gemv_triton.PARTIAL_ENABLED
+    gemv_triton.PARTIAL_ENABLED = False
     got = gemv_triton.gemv16(x, w)
     assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
-    gemv_triton.PARTIAL_ENABLED = False
+    gemv_triton.PARTIAL_ENABLED = True
     # linear's dispatch: off by default; on, one row of a plain nn.Linear without bias only
     calls, real = [], gemv_triton.gemv16
     gemv_triton.gemv16 = lambda *a: calls.append(tuple(a[1].shape)) or real(*a)

@@ -111,6 +111,7 @@ def test_gemv_kernel_every_form(recorded, monkeypatch):
     quantized; a masked tile; the dense form."""
     from chunklocal.models.quant_triton import QuantRows
 
+    monkeypatch.setattr(gemv_triton, "PARTIAL_ENABLED", False)  # the plain form first
     for n, k in ((16384, 5120), (5120, 8192)):
         w, scale = torch.zeros(17, n, k, dtype=FP8), torch.ones(17, n)
         offs = torch.full((17,), 2, dtype=torch.int32)
@@ -124,7 +125,7 @@ def test_gemv_kernel_every_form(recorded, monkeypatch):
     # the 16-bit form (gemv16, off by default): Scout's fused q/k/v and a masked LM head
     for n in (7168, 1000):
         gemv_triton.gemv16(torch.empty(1, 5120, dtype=BF16), torch.empty(n, 5120, dtype=BF16))
-    # the partial sums' form (off by default), e4m3 and 16-bit
+    # the partial sums' form (on by default), e4m3 and 16-bit
     gemv_triton.fp8_gemv(rows.q, rows.scale, BF16, w[:, :, :5120], scale, offs, partial=True)
     monkeypatch.setattr(gemv_triton, "PARTIAL_ENABLED", True)
     gemv_triton.gemv16(torch.empty(1, 5120, dtype=BF16), torch.empty(7168, 5120, dtype=BF16))

@@ -80,10 +80,12 @@ DEFAULT_TILE = (16, 512, 4)
 #: bind as much as the bytes: each weight byte takes an e4m3 -> f16 -> f32 conversion, and
 #: at the default tile each thread converts the row's bytes again for each of its four
 #: weight rows; tiles of one weight row a warp (``block_n == num_warps``) convert them once
-#: (``fp8_small_m``'s tune list has them).  Written after the
-#: device time, off until a GPU A/B measures it (``CHUNKLOCAL_GEMV_PARTIAL=1``;
-#: ``switch_ab --switches gemv_partial``; ``fp8_small_m --gemv-tune``'s ``_part`` columns).
-PARTIAL_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_PARTIAL", "0") == "1"
+#: (``fp8_small_m``'s tune list has them).  On by default since the H200 A/B (27th
+#: session, full-size Scout FP8, batch 1: 0.958x the step's replay time alone and 0.926x
+#: with PDL, faster in every round; 0.996-1.0x at batches 16 and 64; the engine's token
+#: tests pass with both on; BENCHMARKS.md).  ``CHUNKLOCAL_GEMV_PARTIAL=0`` turns it off
+#: (``switch_ab --switches gemv_partial``; ``fp8_small_m --gemv-tune``'s ``_part`` columns).
+PARTIAL_ENABLED = os.environ.get("CHUNKLOCAL_GEMV_PARTIAL", "1") == "1"
 #: The e4m3 form's tile with ``PARTIAL``: twice the default's K step.  On the H100 (24th
 #: session, ``fp8_small_m --rows 1 --gemv-tune 1``, 24 tiles) it was the fastest or within
 #: 2% of it on each of Scout's four FP8 shapes: 0.81x the default tile's time on the

@@ -83,8 +83,10 @@ ONE_PASS_MAX_K = 8192
 #: until the predecessor has finished and its writes are visible; so every kernel that
 #: takes the attribute calls :func:`pdl_start` first, in every program, and a kernel's
 #: completion still implies its predecessors'.  FlashInfer's decode kernels launch this way
-#: on sm_90 already.  Results are the same bits either way; off until a GPU A/B measures it.
-PDL_ENABLED = os.environ.get("CHUNKLOCAL_PDL", "0") == "1"
+#: on sm_90 already.  Results are the same bits either way.  On by default since the H200
+#: A/B (27th session, full-size Scout FP8, batch 1: 0.962x the step's replay time alone,
+#: faster in every round; BENCHMARKS.md); ``CHUNKLOCAL_PDL=0`` turns it off.
+PDL_ENABLED = os.environ.get("CHUNKLOCAL_PDL", "1") == "1"
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # no Triton, or one without grid dependency control
