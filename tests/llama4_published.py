@@ -303,7 +303,11 @@ def routing_trace(model: nn.Module):
     """Collects, while open, the router logits of every MoE layer of ``model`` (transformers'
     or this library's: a Linear named ``*.router``), recomputed from each call's input in the
     router's own dtype.  Yields ``{layer name: [[T, E] float32 per call]}``, layers in model
-    order; graph replays call no hook, so only eager forwards are seen."""
+    order; graph replays call no hook, so only eager forwards are seen.  The in-kernel router
+    (``route_triton.ROUTER_IN_KERNEL``) calls no router module either, so it is off while the
+    trace is open (the logits are recomputed from the router's input in both cases)."""
+    from chunklocal.models import route_triton
+
     calls: dict[str, list[torch.Tensor]] = {}
 
     def hook(name):
@@ -319,9 +323,11 @@ def routing_trace(model: nn.Module):
             handles.append(module.register_forward_pre_hook(hook(name)))
     if not handles:
         raise ValueError(f"{type(model).__name__} has no Linear named '*.router'")
+    in_kernel, route_triton.ROUTER_IN_KERNEL = route_triton.ROUTER_IN_KERNEL, False
     try:
         yield calls
     finally:
+        route_triton.ROUTER_IN_KERNEL = in_kernel
         for handle in handles:
             handle.remove()
 

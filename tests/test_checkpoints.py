@@ -32,6 +32,7 @@ from llama4_published import (
 
 import chunklocal
 from chunklocal.engine import llm as llm_module
+from chunklocal.models import route_triton
 
 NEW = 16
 
@@ -133,7 +134,7 @@ def test_compressed_tensors_fp8_dynamic(scout, tmp_path):
 
 
 @torch.inference_mode()
-def test_routing_flips_between_the_engine_and_the_oracle(scout, tmp_path):
+def test_routing_flips_between_the_engine_and_the_oracle(scout, tmp_path, monkeypatch):
     """The GPU FP8 test's routing comparison (tests/gpu/test_fp8_gpu.py applies its gap bound
     where routing agrees): on the CPU in float32 the engine routes every token of a 77-token
     prompt (prefilled over 3 steps) as the fake-quant oracle does; with two experts' router
@@ -151,9 +152,12 @@ def test_routing_flips_between_the_engine_and_the_oracle(scout, tmp_path):
 
     def engine_routing():
         with routing_trace(llm.model) as traced:
+            assert not route_triton.ROUTER_IN_KERNEL  # it would call no hook
             llm.prompt_logits([seq])
+        assert route_triton.ROUTER_IN_KERNEL  # restored
         return routing_logits(traced, len(seq))
 
+    monkeypatch.setattr(route_triton, "ROUTER_IN_KERNEL", True)
     flipped, closeness = routing_flips(want, engine_routing(), top_k=1)
     assert not flipped.any() and torch.isinf(closeness).all()
     router = llm.model.layers[3].feed_forward.router.weight
