@@ -5,6 +5,8 @@
 #   bash benchmarks/device_calls.sh ab       # quant1's tokens, the GEMV forms, the batch-1 A/B,
 #                                            # the switches' tokens (with no kernels carried:
 #                                            # those tokens move to `ab2`)
+#   bash benchmarks/device_calls.sh replan   # decode graphs re-planned each step (GRAPH_REPLAN):
+#                                            # the batch-1 A/B at a 131k limit, graph and token tests
 #   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
 #   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
@@ -54,22 +56,32 @@ big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).to
 # FlashInfer's modules built on the CPU (.fi-aot.tgz) leave only Triton's kernels to compile.
 cold=0; [ -f .fi-cache.tgz ] || cold=1
 [ "$cold" = 1 ] && [ -f .fi-aot.tgz ] && cold=aot
-ab_tokens() {  # the engine's tokens with the candidates on (the tensor-core GEMV takes the
-  # one-row groups where the partial sums would: run GEMV_PARTIAL=1 instead if the A/B picks it)
-  ( export CHUNKLOCAL_PDL=1 CHUNKLOCAL_GEMV_MMA=1 CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1
+ab_tokens() {  # the engine's tokens with the in-kernel router on (PDL and the GEMV's partial
+  # sums are defaults since the 27th session)
+  ( export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1
     pt "$1" tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_triton_gpu.py \
       -k "gemv or oracle or tokens" )
 }
+if [ "$big" = 1 ]; then model="--model scout-fp8 --repeats 3"
+else model="--model scout-fp8-12 --repeats 4"; fi
 case ${1:-ab} in
   ab)
     case $cold in 0) first=140 ;; aot) first=180 ;; *) first=230 ;; esac
     pt $first tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_quant_gpu.py
     pt 60 tests/gpu/test_fp8_triton_gpu.py -k gemv  # every form, the tensor-core one too
-    if [ "$big" = 1 ]; then model="--model scout-fp8 --repeats 3"
-    else model="--model scout-fp8-12 --repeats 4"; fi
+    # a switch flips its default: pdl and gemv_partial (on) measure them off
     # shellcheck disable=SC2086
-    bench 200 ab1 benchmarks.switch_ab $model --batch 1 --switches gemv_mma gemv_partial pdl \
-      router pdl+gemv_partial+router gemv_mma+pdl+router --out "$OUT/ab1"
+    bench 200 ab1 benchmarks.switch_ab $model --batch 1 --switches router gemv_mma pdl \
+      gemv_partial --out "$OUT/ab1" ;;&
+  ab|replan)  # decode graphs re-planned each step, under a server's 131k limit
+    # shellcheck disable=SC2086
+    bench 150 replan benchmarks.switch_ab $model --batch 1 --max-model-len 131072 \
+      --switches graph_replan router+graph_replan --out "$OUT/replan" ;;&
+  replan)  # its graphs against the reference and the engine's tokens with it on
+    ( export CHUNKLOCAL_GRAPH_REPLAN=1
+      pt 300 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_gpu.py \
+        -k "graph or tokens" ) ;;
+  ab)
     left=$(( 540 - $(date +%s) + t0 ))  # the call's 600 s less setup and packing
     if [ "$cold" = 1 ] || [ "$left" -lt 60 ]; then say "the switches' tokens run in 'ab2'"
     else ab_tokens "$left"; fi ;;
@@ -108,7 +120,7 @@ case ${1:-ab} in
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, replan, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"

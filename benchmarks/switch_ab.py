@@ -59,6 +59,7 @@ SWITCHES = {
     "gemv16": ("chunklocal.models.gemv_triton", "LINEAR_ENABLED"),
     "gemv_partial": ("chunklocal.models.gemv_triton", "PARTIAL_ENABLED"),
     "gemv_mma": ("chunklocal.models.gemv_triton", "MMA_ENABLED"),
+    "graph_replan": ("chunklocal.backends.flashinfer.backend", "GRAPH_REPLAN"),
 }
 #: name: (attribute of every MoE layer, its value when on) of switches each layer holds,
 #: flipped between that value and 0.  "shared": the shared expert as group E of the routed
@@ -241,6 +242,10 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engine's max_model_len (default: the context and the new "
+                             "tokens); a server's long limit plans decode graphs for it "
+                             "(switch graph_replan)")
     parser.add_argument("--switches", nargs="+", type=switch_names, default=["reduce", "slots"],
                         help="variants, each one switch or several joined by '+' flipped "
                              f"together; switches: {', '.join(sorted(SWITCHES | LAYER_SWITCHES))}")
@@ -264,7 +269,7 @@ def main(argv=None) -> int:
     rounds_steps = ((args.warmup_rounds + args.repeats) * (1 + len(names))
                     * (args.steps + WARMUP))
     new = rounds_steps + 32  # and the floor's eager step
-    max_model_len = args.context + new + 96
+    max_model_len = max(args.context + new + 96, args.max_model_len or 0)
     payload = {"args": vars(args), "rows": [], "errors": []}
     name = "switch_ab_smoke" if args.smoke else "switch_ab"
     with tempfile.TemporaryDirectory() as tmp, floors.BalancedRouting():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 
 import flashinfer_standin_core as core
+import torch
 
 _PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 _DECODE_BACKENDS = ("auto", "fa2", "fa3")
@@ -175,6 +176,9 @@ class BatchDecodeWithPagedKVCacheWrapper(core.PagedWrapper):
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
         self._backend = backend
         self._q_len_per_req = None
+        self._planned_kv_lens = None
+        # 0.7.2's host staging of the plan (plan() writes it, then queues its copy)
+        self._pin_memory_int_workspace_buffer = torch.empty(64, dtype=torch.uint8)
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -268,6 +272,10 @@ class BatchDecodeWithPagedKVCacheWrapper(core.PagedWrapper):
                              f"for every request, but got a request with kv_len={min(kv_lens)}")
         self._store(None, indptr, indices, last, page_size)
         self._q_len_per_req = q_len_per_req
+        # Under CUDA graphs with split-KV (one query a request) the plan fixes each request's
+        # KV tiles from the planned lengths: a longer sequence at run time would lose keys.
+        self._planned_kv_lens = (kv_lens if self._use_cuda_graph and q_len_per_req == 1
+                                 and not disable_split_kv else None)
         self._plan = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
                           num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, page_size=page_size, causal=is_causal,
@@ -291,6 +299,12 @@ class BatchDecodeWithPagedKVCacheWrapper(core.PagedWrapper):
         core.check_q(q, plan, plan["batch_size"] * planned)
         core.check_out(out, q, plan["o_dtype"])
         indptr, indices, last = self._metadata(k_cache.shape[0])
+        if self._planned_kv_lens is not None:
+            for i, planned_len in enumerate(self._planned_kv_lens):
+                kv_len = (indptr[i + 1] - indptr[i] - 1) * plan["page_size"] + last[i]
+                if kv_len > planned_len:
+                    raise RuntimeError(f"request {i} holds {kv_len} keys; the split-KV plan "
+                                       f"covers {planned_len} (plan() again for them)")
         qo = [i * planned for i in range(plan["batch_size"] + 1)]
         scale = core.softmax_scale(plan, q_scale, k_scale)
         o = core.attention(q, k_cache, v_cache, qo, indptr, indices, last, plan["causal"], scale)

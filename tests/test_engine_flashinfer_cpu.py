@@ -268,6 +268,57 @@ def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_
     assert all(third.wrappers[k] is first.wrappers[k] for k in want)
 
 
+def test_decode_graphs_replan_each_step_for_its_own_lengths(monkeypatch):
+    """``GRAPH_REPLAN``: a decode graph's wrappers are planned again before each replay for
+    the step's lengths (the stand-in refuses keys beyond a graph's split-KV plan, as the
+    kernel's tiles would drop them), each kind alternating two host staging buffers; the
+    capture keeps the plan for the longest keys.  Graph outputs equal the eager steps'."""
+    from chunklocal.backends.base import EngineLimits, Kind
+    from chunklocal.backends.flashinfer import FlashInferBackend
+    from chunklocal.backends.flashinfer import backend as fi_backend
+    from chunklocal.kv_spec import FullAttentionSpec
+
+    spec = FullAttentionSpec(4, 2, 16, torch.float32, attention_chunk_size=8)
+    backend = FlashInferBackend(spec, EngineLimits(4, 64, 64, 4), 4, 2, 16, torch.float32,
+                                "cpu", cuda_graphs=True, graph_batch_sizes=(4,),
+                                scratch_page=39)
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = (torch.randn(40, 4, 2, 16, generator=gen) for _ in range(2))
+    table = np.arange(36, dtype=np.int32).reshape(3, 12)
+    kinds = (Kind.CHUNKED, Kind.GLOBAL)
+    graph = backend.capture_step(4, 1)
+    capture_plans = {k: graph.wrappers[k]._planned_kv_lens for k in kinds}
+    assert capture_plans[Kind.GLOBAL] == [64] * 4  # the longest keys, max_model_len
+
+    def step(seq_lens):
+        n = len(seq_lens)
+        md = backend.build(np.arange(n + 1), np.array(seq_lens), table[:n],
+                           graph_batch_size=4)
+        q = torch.randn(4, 4, 16, generator=gen)
+        eager = backend.build(np.arange(n + 1), np.array(seq_lens), table[:n])
+        for kind in kinds:
+            got = backend.forward(md, q, k_cache, v_cache, 0.25, kind=kind)[:n]
+            want = backend.forward(eager, q[:n], k_cache, v_cache, 0.25, kind=kind)
+            torch.testing.assert_close(got, want)
+        return md
+
+    monkeypatch.setattr(fi_backend, "GRAPH_REPLAN", True)
+    staged = []
+    for lens in ([9, 20, 14], [3, 5, 2], [40, 7, 30]):
+        md = step(lens)
+        wrapper = md.wrappers[Kind.GLOBAL]
+        assert wrapper._planned_kv_lens == lens + [1]  # the step's own, padding one key
+        staged.append(wrapper._pin_memory_int_workspace_buffer)
+    state = backend._kinds[Kind.GLOBAL]
+    assert staged[0] is staged[2] is state.replan_staging[0]
+    assert staged[1] is state.replan_staging[1]
+    # planned for short contexts, replayed on longer ones without a re-plan: keys lost
+    step([3, 5, 2])
+    monkeypatch.setattr(fi_backend, "GRAPH_REPLAN", False)
+    with pytest.raises(RuntimeError, match="the split-KV plan covers"):
+        step([40, 7, 30])
+
+
 def test_eager_flashinfer_steps_overlap_unless_switched_off(ckpt, monkeypatch):
     """By default (CHUNKLOCAL_OVERLAP_EAGER unset) an eager step on backends that
     double-buffer their plans is overlap-safe: on a GPU the engine launches the next step

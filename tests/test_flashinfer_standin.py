@@ -84,6 +84,22 @@ def test_expected_signatures_are_the_wheels():
         assert fmt_ast(defs[-1]) == expected, (cls, name)  # the last def: not an @overload
 
 
+@pytest.mark.skipif(not WHEEL.exists(), reason="no FlashInfer wheel at .whl/ (CI)")
+def test_the_decode_wrappers_staging_attribute_is_the_wheels(fi):
+    """backends/flashinfer's graph re-plan (``GRAPH_REPLAN``) swaps the decode wrapper's
+    host staging buffer, a private attribute: the wheel's ``__init__`` must assign it and
+    its ``plan`` pass it to the planner, as the stand-in models."""
+    with zipfile.ZipFile(WHEEL) as whl:
+        tree = ast.parse(whl.read("flashinfer/decode.py"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == D_)
+    uses = {fn.name: {a.attr for a in ast.walk(fn) if isinstance(a, ast.Attribute)}
+            for fn in cls.body if isinstance(fn, ast.FunctionDef)}
+    assert "_pin_memory_int_workspace_buffer" in uses["__init__"]
+    assert "_pin_memory_int_workspace_buffer" in uses["plan"] | uses["_plan_impl"]
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    assert torch.is_tensor(wrapper._pin_memory_int_workspace_buffer)
+
+
 def test_silu_and_mul_is_silu_of_the_first_half_times_the_second(fi):
     """float32 rows: silu(gate) * up to float32 rounding; an odd last dim, a strided input
     and a wrong ``out`` refused (the last: 0.7.2.post1 asserts; a strided input it would read

@@ -126,8 +126,15 @@ def decode_steps(rng, batch, model_len, count):
     return steps
 
 
+@pytest.mark.parametrize("replan", [False, True], ids=["planned-once", "replanned"])
 @pytest.mark.parametrize("chunk", [None, 512])
-def test_decode_graph_replay_changing_lengths(chunk):
+def test_decode_graph_replay_changing_lengths(chunk, replan, monkeypatch):
+    """Replays of one captured decode graph over random lengths, longer and shorter, against
+    the reference: planned once for the longest keys, or re-planned by each ``build``
+    (``GRAPH_REPLAN``)."""
+    from chunklocal.backends.flashinfer import backend as fi_backend
+
+    monkeypatch.setattr(fi_backend, "GRAPH_REPLAN", replan)
     rng = np.random.default_rng(1)
     model_len, sizes = 2048, (1, 4, 8)
     limits = EngineLimits(8, 4096, model_len, BS)

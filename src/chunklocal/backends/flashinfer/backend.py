@@ -64,7 +64,21 @@ _WORKSPACE_BYTES = 128 << 20
 #: and 6,679 -> 9,806 at 256; BENCHMARKS.md).  ``CHUNKLOCAL_OVERLAP_EAGER=0`` collects each
 #: eager step before the next launches (the alternating wrappers are used either way).
 OVERLAP_EAGER = os.environ.get("CHUNKLOCAL_OVERLAP_EAGER", "1") == "1"
+#: Decode graphs (one query a request) re-planned before each replay for the step's own
+#: lengths (``CHUNKLOCAL_GRAPH_REPLAN=1``; ``switch_ab --switches graph_replan``).  Planned
+#: once, for the longest keys a slot can read, FlashInfer sizes the KV tiles from those
+#: lengths: with a 131,072-token ``max_model_len`` a 1k context at batch 1 is one tile a KV
+#: head, and the H200 ran a chunked and a global layer's graph step in 0.520 ms against
+#: 0.310 planned for 1k keys (27th session, BENCHMARKS.md).  Under CUDA graphs FlashInfer
+#: 0.7.2 keeps split-KV on and derives the grid, the buffers' offsets and the merge's launch
+#: from the batch size alone, so a re-plan changes only what the captured kernels read from
+#: its device buffer (the chunk size and the tiles' indices).  Its host staging is the
+#: wrapper's pinned buffer, copied by a queued copy: each kind alternates two staging
+#: buffers (shared by its graph sizes), as the eager wrappers alternate, because the next
+#: step may be planned before the last one ran.  Off until a GPU A/B and the graph tests.
+GRAPH_REPLAN = os.environ.get("CHUNKLOCAL_GRAPH_REPLAN", "0") == "1"
 _workspaces: dict[torch.device, torch.Tensor] = {}
+_NO_INDICES = torch.zeros(0, dtype=torch.int32)
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
@@ -115,6 +129,20 @@ class _KindState:
             ws, "NHD", backend=backend.prefill_backend) for _ in range(2))
         self.decode = tuple(flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             ws, "NHD", use_tensor_cores=True) for _ in range(2))
+        #: GRAPH_REPLAN's two host staging buffers (made at the first re-plan) and the next.
+        self.replan_staging: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.replan_parity = 0
+
+    def staging(self, wrapper) -> torch.Tensor:
+        """The host staging buffer this re-plan of a graph ``wrapper`` writes (alternating)."""
+        staging = self.replan_staging
+        if staging is None:
+            first = wrapper._pin_memory_int_workspace_buffer
+            staging = self.replan_staging = (
+                torch.empty(first.shape, dtype=first.dtype, pin_memory=first.is_pinned()),
+                torch.empty(first.shape, dtype=first.dtype, pin_memory=first.is_pinned()))
+        buf, self.replan_parity = staging[self.replan_parity], self.replan_parity ^ 1
+        return buf
 
 
 class FlashInferBackend:
@@ -195,7 +223,7 @@ class FlashInferBackend:
             pages = cdiv(keys, self.block_size)
             indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32))
             last = torch.from_numpy((keys - (pages - 1) * self.block_size).astype(np.int32))
-            wrapper.plan(indptr, torch.zeros(0, dtype=torch.int32), last, self.num_q_heads,
+            wrapper.plan(indptr, _NO_INDICES, last, self.num_q_heads,
                          self.num_kv_heads, self.head_dim, self.block_size,
                          q_len_per_req=query_len, disable_split_kv=query_len > 1,
                          non_blocking=False, **self._plan_kwargs())
@@ -259,9 +287,10 @@ class FlashInferBackend:
         if not self.cuda_graphs:
             raise ValueError("capture_step needs a backend built with cuda_graphs=True")
         return self._build_graph(np.zeros(0, np.int64), np.zeros((0, 1), np.int32), query_len,
-                                 batch_size)
+                                 batch_size, replan=False)
 
-    def _build_graph(self, seq_lens, block_table, query_len: int, batch_size: int):
+    def _build_graph(self, seq_lens, block_table, query_len: int, batch_size: int, *,
+                     replan: bool = True):
         num_reqs = seq_lens.shape[0]
         if num_reqs > batch_size:
             raise ValueError(f"{num_reqs} requests do not fit graph batch size {batch_size}")
@@ -277,6 +306,14 @@ class FlashInferBackend:
             state.buffers.copy_to_device(step)
             if mask is not None:
                 graph.use_first.copy_(torch.from_numpy(mask), non_blocking=True)
+            if replan and GRAPH_REPLAN and query_len == 1:
+                wrapper = graph.wrappers[kind]
+                # the indices are already in the aliased buffer: none passed
+                wrapper._pin_memory_int_workspace_buffer = state.staging(wrapper)
+                wrapper.plan(step.paged_kv_indptr, _NO_INDICES, step.paged_kv_last_page_len,
+                             self.num_q_heads, self.num_kv_heads, self.head_dim,
+                             self.block_size, q_len_per_req=1, non_blocking=True,
+                             **self._plan_kwargs())
         return graph
 
     # -------------------------------------------------------------- forward
