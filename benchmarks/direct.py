@@ -7,41 +7,10 @@ with FlashInfer's own wrappers.  Vectorised numpy, as a builder must be.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from chunklocal.backends.flashinfer.ragged import PagedKV, paged_kv_arrays
 from chunklocal.virtual_batches import make_virtual_batches
-
-
-@dataclass(frozen=True)
-class PagedKV:
-    """FlashInfer's four paged-KV arrays for one step (int32 numpy)."""
-
-    qo_indptr: np.ndarray
-    kv_indptr: np.ndarray
-    kv_indices: np.ndarray
-    last_page_len: np.ndarray
-
-    @property
-    def num_problems(self) -> int:
-        return int(self.kv_indptr.shape[0] - 1)
-
-
-def paged_kv_arrays(query_start_loc, seq_lens, block_table, block_size: int) -> PagedKV:
-    """Page indices of the first ``cdiv(seq_len, block_size)`` columns of each row."""
-    seq = np.asarray(seq_lens, dtype=np.int64)
-    table = np.asarray(block_table)
-    pages = -(-seq // block_size)
-    kv_indptr = np.zeros(seq.shape[0] + 1, dtype=np.int32)
-    np.cumsum(pages, out=kv_indptr[1:])
-    # Flat positions of the pages in the row-major table: row * W + column.
-    row_start = np.arange(seq.shape[0], dtype=np.int64) * table.shape[1]
-    first_flat = np.repeat(row_start - kv_indptr[:-1], pages)
-    flat = first_flat + np.arange(int(kv_indptr[-1]), dtype=np.int64)
-    kv_indices = table.reshape(-1)[flat].astype(np.int32, copy=False)
-    last = (seq - (pages - 1) * block_size).astype(np.int32)
-    return PagedKV(np.asarray(query_start_loc, dtype=np.int32), kv_indptr, kv_indices, last)
 
 
 def host_metadata(query_start_loc, seq_lens, block_table, block_size: int,

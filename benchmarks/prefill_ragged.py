@@ -42,44 +42,17 @@ import numpy as np
 
 from benchmarks import prefill_common as pc
 from benchmarks import workloads as wl
-from benchmarks.direct import PagedKV, paged_kv_arrays
+from chunklocal.backends.flashinfer.ragged import RaggedSplit
+from chunklocal.backends.flashinfer.ragged import ragged_split as split_step
 
 SCALE = wl.HEAD_DIM ** -0.5
 
 
 # --------------------------------------------------------------------- host split
-@dataclass(frozen=True)
-class RaggedSplit:
-    """Host arrays of the split (int32 unless said).
-
-    ``qo_indptr`` [M+1]: the virtual batches' rows, also the ragged K/V indptr;
-    ``paged_rows`` [R] int64: rows that also see earlier keys, in row order;
-    ``paged``: FlashInfer's paged arrays for those rows (qo_indptr into
-    ``paged_rows``, non-causal keys ``[chunk_start, a)``).
-    """
-
-    qo_indptr: np.ndarray
-    paged_rows: np.ndarray
-    paged: PagedKV
-    num_batches: int
-
-
 def ragged_split(batch: pc.StressBatch, block: int = wl.BLOCK) -> RaggedSplit:
-    from chunklocal.virtual_batches import make_virtual_batches
-
-    vb = make_virtual_batches(batch.query_start_loc, batch.seq_lens, batch.block_table,
-                              batch.chunk, block)
-    if vb.query_start_loc[0] != 0:
-        raise ValueError("the split needs query_start_loc[0] == 0")
-    q_lens = np.diff(vb.query_start_loc).astype(np.int64)
-    earlier = vb.seq_lens.astype(np.int64) - q_lens  # keys cached before this step
-    has = earlier > 0
-    starts, lens = vb.query_start_loc[:-1][has].astype(np.int64), q_lens[has]
-    rows = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) \
-        + np.arange(int(lens.sum()), dtype=np.int64)
-    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    paged = paged_kv_arrays(qsl, earlier[has], vb.block_table[has], block)
-    return RaggedSplit(vb.query_start_loc.astype(np.int32), rows, paged, vb.num_batches)
+    """The engine's split (backends/flashinfer/ragged.py) of a stress batch."""
+    return split_step(batch.query_start_loc, batch.seq_lens, batch.block_table, batch.chunk,
+                      block)
 
 
 def step_slots(batch: pc.StressBatch, block: int = wl.BLOCK) -> np.ndarray:

@@ -19,16 +19,18 @@ import importlib.machinery
 import sys
 import types
 
+import flashinfer_standin_core as standin_core
 import flashinfer_standin_sampling as standin_sampling
 import torch
 from flashinfer_standin_wrappers import (
     BatchDecodeWithPagedKVCacheWrapper,
     BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
 )
 
 __version__ = "0.7.2.post1"
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-           "build_module", "install", "installed"]
+           "BatchPrefillWithRaggedKVCacheWrapper", "build_module", "install", "installed"]
 
 
 def silu_and_mul(input: torch.Tensor, out: torch.Tensor = None, enable_pdl=None
@@ -69,6 +71,10 @@ def build_module() -> types.ModuleType:
     package.__version__ = __version__
     package.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
     package.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
+    package.BatchPrefillWithRaggedKVCacheWrapper = BatchPrefillWithRaggedKVCacheWrapper
+    cascade = types.ModuleType("flashinfer.cascade", "FlashInfer 0.7.2.post1 stand-in")
+    cascade.merge_state = package.merge_state = standin_core.merge_state
+    package.cascade = cascade
     package.sampling = sampling
     package.activation = activation
     return package

@@ -234,24 +234,39 @@ def softmax_scale(plan, q_scale, k_scale) -> float:
 
 
 def attention(q, k_cache, v_cache, qo, kv_indptr, indices, last, causal: bool,
-              scale: float) -> torch.Tensor:
+              scale: float, with_lse: bool = False):
     """Exact paged attention in float32; rows no request covers (or that see no key) are 0.
 
     Request i: query rows qo[i]:qo[i+1]; keys from pages indices[kv_indptr[i]:kv_indptr[i+1]],
     kv_len = (pages - 1) * page_size + last[i].  Causal masks are bottom-right aligned:
     row j of q_len sees keys [0, kv_len - q_len + j].  Query head h reads KV head h // group.
+    ``with_lse``: also the rows' base-2 log-sum-exp of the scaled scores [rows, Hq] (-inf
+    where a row sees no key), as run(return_lse=True) gives it.
     """
     page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    group = q.shape[1] // num_kv_heads
+
+    def keys(i):
+        pages = indices[kv_indptr[i]:kv_indptr[i + 1]].long()
+        kv_len = (pages.shape[0] - 1) * page_size + last[i]
+        return (k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len],
+                v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len])
+
+    return segments(q, keys, qo, len(last), causal, scale, with_lse)
+
+
+def segments(q, keys, qo, count: int, causal: bool, scale: float, with_lse: bool):
+    """Attention of ``count`` segments: rows qo[i]:qo[i+1] over ``keys(i)`` = (k, v)
+    [kv_len, Hkv, D] (see :func:`attention`)."""
+    head_dim = q.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for i in range(len(last)):
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    for i in range(count):
         q_len = qo[i + 1] - qo[i]
         if q_len == 0:
             continue
-        pages = indices[kv_indptr[i]:kv_indptr[i + 1]].long()
-        kv_len = (pages.shape[0] - 1) * page_size + last[i]
-        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
-        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
+        k, v = (t.float() for t in keys(i))
+        kv_len, num_kv_heads = k.shape[0], k.shape[1]
+        group = q.shape[1] // num_kv_heads
         qi = q[qo[i]:qo[i + 1]].float().view(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("qhgd,khd->hgqk", qi, k) * scale
         if causal:
@@ -261,7 +276,25 @@ def attention(q, k_cache, v_cache, qo, kv_indptr, indices, last, causal: bool,
         weights = scores.softmax(dim=-1).nan_to_num(nan=0.0)  # a row seeing no key -> 0
         o = torch.einsum("hgqk,khd->qhgd", weights, v)
         out[qo[i]:qo[i + 1]] = o.reshape(q_len, num_kv_heads * group, head_dim)
-    return out
+        row_lse = torch.logsumexp(scores, dim=-1) / math.log(2)  # [h, g, q]
+        lse[qo[i]:qo[i + 1]] = row_lse.permute(2, 0, 1).reshape(q_len, num_kv_heads * group)
+    return (out, lse) if with_lse else out
+
+
+def merge_state(v_a, s_a, v_b, s_b):
+    """flashinfer.merge_state (0.7.2): two partial states (outputs [rows, H, D], base-2
+    LSE [rows, H] float32) of disjoint key sets -> the state over both."""
+    for name, s in (("s_a", s_a), ("s_b", s_b)):
+        if s.dtype != torch.float32 or s.shape != v_a.shape[:2]:
+            raise ValueError(f"{name} must be float32 of shape {tuple(v_a.shape[:2])}")
+    if v_b.shape != v_a.shape or v_b.dtype != v_a.dtype:
+        raise ValueError("v_a and v_b must have the same shape and dtype")
+    top = torch.maximum(s_a, s_b)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w_a, w_b = torch.exp2(s_a - top), torch.exp2(s_b - top)
+    total = w_a + w_b
+    v = v_a.float() * (w_a / total)[..., None] + v_b.float() * (w_b / total)[..., None]
+    return v.nan_to_num(nan=0.0).to(v_a.dtype), torch.log2(total) + top
 
 
 def finish(o: torch.Tensor, v_scale, dtype: torch.dtype, out):
@@ -323,12 +356,14 @@ class PagedWrapper:
         return self._plan
 
     @staticmethod
-    def _check_run_options(args, lse, return_lse, window_left, **options) -> None:
+    def _check_run_options(args, lse, return_lse, window_left, lse_ok=False,
+                           **options) -> None:
         if args:
             raise NotImplementedError("flashinfer stand-in: positional *args of run() (custom "
                                       "kernel arguments / FP8 scale tensors) are not supported")
-        refuse(lse=(lse, None), return_lse=(return_lse, False),
-               **{name: (value, None) for name, value in options.items()})
+        refuse(lse=(lse, None), **{name: (value, None) for name, value in options.items()})
+        if not lse_ok:  # the prefill wrappers return it; the stand-in's decode does not
+            refuse(return_lse=(check_bool("return_lse", return_lse), False))
         if window_left is not None and window_left != -1:
             raise NotImplementedError(f"flashinfer stand-in: window_left={window_left!r} is "
                                       "not supported (sliding window)")

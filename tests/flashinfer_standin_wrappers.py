@@ -131,9 +131,12 @@ class BatchPrefillWithPagedKVCacheWrapper(core.PagedWrapper):
         if lse_layout not in ("NH", "HN"):
             raise ValueError(f"lse_layout must be 'NH' or 'HN', got {lse_layout!r}")
         self._check_run_options(
-            args, lse, return_lse, window_left, sinks=sinks, kv_cache_sf=kv_cache_sf,
+            args, lse, return_lse, window_left, lse_ok=True, sinks=sinks,
+            kv_cache_sf=kv_cache_sf,
             skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
             use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
+        if return_lse:
+            core.refuse(lse_base=(lse_base, "log2"), lse_layout=(lse_layout, "NH"))
         k_cache, v_cache = core.unpack_cache(paged_kv_cache, plan)
         core.check_q(q, plan, plan["rows"])
         core.check_out(out, q, plan["o_dtype"])
@@ -145,8 +148,10 @@ class BatchPrefillWithPagedKVCacheWrapper(core.PagedWrapper):
             qo = self._qo
         indptr, indices, last = self._metadata(k_cache.shape[0])
         scale = core.softmax_scale(plan, q_scale, k_scale)
-        o = core.attention(q, k_cache, v_cache, qo, indptr, indices, last, plan["causal"], scale)
-        return core.finish(o, v_scale, plan["o_dtype"], out)
+        o, row_lse = core.attention(q, k_cache, v_cache, qo, indptr, indices, last,
+                                    plan["causal"], scale, with_lse=True)
+        result = core.finish(o, v_scale, plan["o_dtype"], out)
+        return (result, row_lse) if return_lse else result
 
 
 class BatchDecodeWithPagedKVCacheWrapper(core.PagedWrapper):
@@ -309,3 +314,85 @@ class BatchDecodeWithPagedKVCacheWrapper(core.PagedWrapper):
         scale = core.softmax_scale(plan, q_scale, k_scale)
         o = core.attention(q, k_cache, v_cache, qo, indptr, indices, last, plan["causal"], scale)
         return core.finish(o, v_scale, plan["o_dtype"], out)
+
+
+class BatchPrefillWithRaggedKVCacheWrapper:
+    """Prefill over contiguous (ragged) K/V: segment i's rows qo_indptr[i]:qo_indptr[i+1]
+    read keys kv_indptr[i]:kv_indptr[i+1] of the k / v given to run().  Eager only."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
+                 qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None,
+                 mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None,
+                 variant_owns_mask=False):
+        core.check_workspace(float_workspace_buffer)
+        core.check_layout(kv_layout)
+        core.check_backend(backend, _PREFILL_BACKENDS)
+        core.refuse(use_cuda_graph=(core.check_bool("use_cuda_graph", use_cuda_graph), False),
+                    qo_indptr_buf=(qo_indptr_buf, None), kv_indptr_buf=(kv_indptr_buf, None),
+                    custom_mask_buf=(custom_mask_buf, None),
+                    mask_indptr_buf=(mask_indptr_buf, None), jit_args=(jit_args, None),
+                    jit_kwargs=(jit_kwargs, None), variant_owns_mask=(variant_owns_mask, False))
+        self.device = float_workspace_buffer.device
+        self._plan = None
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk,
+             head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
+             pos_encoding_mode="NONE", use_fp16_qk_reduction=False, window_left=-1,
+             logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
+             prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
+             max_item_len_ptr=None, fixed_split_size=None, disable_split_kv=False,
+             seq_lens=None, seq_lens_q=None, max_token_per_sequence=None,
+             max_sequence_kv=None, v_indptr=None, o_indptr=None, uniform_q_len=None):
+        # Ignored (hints): non_blocking, rope_scale, rope_theta, fixed_split_size,
+        # disable_split_kv, max_token_per_sequence, max_sequence_kv, uniform_q_len.
+        core.check_geometry(num_qo_heads, num_kv_heads, head_dim_qk, 1)
+        if head_dim_vo is not None and head_dim_vo != head_dim_qk:
+            core.refuse(head_dim_vo=(head_dim_vo, None))
+        core.check_pos_encoding(pos_encoding_mode)
+        core.refuse(custom_mask=(custom_mask, None),
+                    packed_custom_mask=(packed_custom_mask, None),
+                    use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
+                    window_left=(window_left, -1), prefix_len_ptr=(prefix_len_ptr, None),
+                    token_pos_in_items_ptr=(token_pos_in_items_ptr, None),
+                    token_pos_in_items_len=(token_pos_in_items_len, 0),
+                    max_item_len_ptr=(max_item_len_ptr, None), seq_lens=(seq_lens, None),
+                    seq_lens_q=(seq_lens_q, None), v_indptr=(v_indptr, None),
+                    o_indptr=(o_indptr, None))
+        if logits_soft_cap not in (None, 0, 0.0):
+            core.refuse(logits_soft_cap=(logits_soft_cap, None))
+        core.check_bool("causal", causal)
+        q_dtype, kv_dtype, o_dtype = core.plan_dtypes(q_data_type, kv_data_type, o_data_type)
+        qo = core.check_qo_indptr(core.int32_vector("qo_indptr", qo_indptr))
+        kv = core.check_qo_indptr(core.int32_vector("kv_indptr", kv_indptr), "kv_indptr")
+        if len(kv) != len(qo):
+            raise ValueError(f"kv_indptr has {len(kv)} entries, qo_indptr {len(qo)}: both "
+                             "must be batch_size + 1")
+        self._plan = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
+                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim_qk, causal=causal,
+                          sm_scale=core.check_scalar("sm_scale", sm_scale), qo=qo, kv=kv,
+                          device=self.device)
+
+    def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, o_scale=None,
+            out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH",
+            enable_pdl=None, kv_cache_sf=None):
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("plan() must be called before run()")
+        core.PagedWrapper._check_run_options(args, lse, return_lse, None, lse_ok=True,
+                                             o_scale=o_scale, kv_cache_sf=kv_cache_sf)
+        if return_lse:
+            core.refuse(lse_base=(lse_base, "log2"), lse_layout=(lse_layout, "NH"))
+        qo, kv = plan["qo"], plan["kv"]
+        core.check_q(q, plan, qo[-1])
+        for name, t in (("k", k), ("v", v)):
+            want = (kv[-1], plan["num_kv_heads"], plan["head_dim"])
+            if not torch.is_tensor(t) or tuple(t.shape) != want or t.dtype != plan["kv_dtype"]:
+                raise ValueError(f"{name} must be {plan['kv_dtype']} of shape {want}")
+        core.check_out(out, q, plan["o_dtype"])
+        scale = core.softmax_scale(plan, q_scale, k_scale)
+        o, row_lse = core.segments(q, lambda i: (k[kv[i]:kv[i + 1]], v[kv[i]:kv[i + 1]]), qo,
+                                   len(qo) - 1, plan["causal"], scale, True)
+        result = core.finish(o, v_scale, plan["o_dtype"], out)
+        return (result, row_lse) if return_lse else result

@@ -19,6 +19,7 @@ from chunklocal.reference import reference_attention
 
 WHEEL = Path(__file__).resolve().parents[1] / ".whl/flashinfer_python-0.7.2.post1-py3-none-any.whl"
 P, D_ = "BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper"
+R = "BatchPrefillWithRaggedKVCacheWrapper"
 # 0.7.2.post1's parameter lists (annotations dropped), copied from the wheel's source.
 EXPECTED = {
     ("prefill", P, "__init__"): "self, float_workspace_buffer, kv_layout='NHD', use_cuda_graph=False, qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend='auto', jit_args=None, jit_kwargs=None, variant_owns_mask=False",  # noqa: E501
@@ -28,6 +29,10 @@ EXPECTED = {
     ("decode", D_, "plan"): "self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *deprecated_positional_args, **kwargs",  # noqa: E501
     ("decode", D_, "_plan_impl"): "self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *, pos_encoding_mode='NONE', window_left=-1, window_right=0, logits_soft_cap=None, q_data_type='float16', kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True, block_tables=None, seq_lens=None, fixed_split_size=None, disable_split_kv=False, q_len_per_req=1, is_causal=None",  # noqa: E501
     ("decode", D_, "run"): "self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None, skip_softmax_threshold_scale_factor=None, kv_cache_sf=None",  # noqa: E501
+    ("prefill", R, "__init__"): "self, float_workspace_buffer, kv_layout='NHD', use_cuda_graph=False, qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend='auto', jit_args=None, jit_kwargs=None, variant_owns_mask=False",  # noqa: E501
+    ("prefill", R, "plan"): "self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode='NONE', use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None, q_data_type='float16', kv_data_type=None, o_data_type=None, non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None, fixed_split_size=None, disable_split_kv=False, seq_lens=None, seq_lens_q=None, max_token_per_sequence=None, max_sequence_kv=None, v_indptr=None, o_indptr=None, uniform_q_len=None",  # noqa: E501
+    ("prefill", R, "run"): "self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, o_scale=None, out=None, lse=None, return_lse=False, lse_base='log2', lse_layout='NH', enable_pdl=None, kv_cache_sf=None",  # noqa: E501
+    ("cascade", None, "merge_state"): "v_a, s_a, v_b, s_b",
     ("sampling", None, "top_k_top_p_sampling_from_logits"): "logits, top_k, top_p, indices=None, filter_apply_order='top_k_first', deterministic=True, generator=None, check_nan=False, seed=None, offset=None",  # noqa: E501
     ("activation", None, "silu_and_mul"): "input, out=None, enable_pdl=None",
 }
@@ -75,7 +80,7 @@ def test_signatures_equal_072(fi):
 def test_expected_signatures_are_the_wheels():
     with zipfile.ZipFile(WHEEL) as whl:
         trees = {m: ast.parse(whl.read(f"flashinfer/{m}.py"))
-                 for m in ("prefill", "decode", "sampling", "activation")}
+                 for m in ("prefill", "decode", "sampling", "activation", "cascade")}
     for (module, cls, name), expected in EXPECTED.items():
         body = trees[module].body
         if cls is not None:
@@ -126,7 +131,7 @@ def test_install_is_a_plain_module(fi):
 
     assert flashinfer is fi and sampling is fi.sampling is sys.modules["flashinfer.sampling"]
     assert flashinfer.__version__ == "0.7.2.post1"
-    for name in ("BatchPrefillWithRaggedKVCacheWrapper", "single_decode_with_kv_cache"):
+    for name in ("BatchAttention", "single_decode_with_kv_cache"):
         with pytest.raises(AttributeError):
             getattr(flashinfer, name)
     with pytest.raises(AttributeError):
@@ -192,6 +197,45 @@ def test_prefill_matches_dense_reference(fi, seed, dtype, tol):
     w = plan_prefill(fi, b, causal=False, sm_scale=0.3)
     torch.testing.assert_close(w.run(b.q, (b.k, b.v)).double(), ref(b, 0.3, causal=False),
                                atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_ragged_own_keys_merged_with_paged_earlier_keys_is_the_reference(fi, chunk):
+    """backends/flashinfer/ragged.py's split through the stand-in: the step's own keys
+    (ragged, causal) and the earlier ones (paged, non-causal), merged by merge_state, equal
+    the float64 reference; the ragged run's LSE is the log2-sum-exp of the scaled scores."""
+    from chunklocal.backends.flashinfer.ragged import ragged_split
+
+    rng = np.random.default_rng(5)
+    q_lens = rng.integers(1, 12, 5)
+    b = make_batch(rng, q_lens, q_lens + np.array([0, 3, 9, 17, 1]))
+    # the step's own K/V: what it writes to the cache at its positions
+    req = np.repeat(np.arange(5), q_lens)
+    pos = (b.seq - q_lens)[req] + np.arange(int(q_lens.sum())) - b.qsl[:-1][req]
+    slot = torch.from_numpy(b.table[req, pos // PS] * PS + pos % PS)
+    k_new, v_new = (c.reshape(-1, HKV, HD)[slot] for c in (b.k, b.v))
+    split = ragged_split(b.qsl, b.seq, b.table, chunk, PS)
+    ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(ws(), "NHD", backend="auto")
+    qo = torch.from_numpy(split.qo_indptr)
+    ragged.plan(qo, qo, HQ, HKV, HD, causal=True, q_data_type=torch.float32)
+    out, lse = ragged.run(b.q, k_new, v_new, return_lse=True)
+    assert lse.shape == (b.q.shape[0], HQ) and lse.dtype == torch.float32
+    first = int(split.qo_indptr[1])  # segment 0 alone: its row 0 sees one key
+    score = (b.q[0].view(HKV, HQ // HKV, HD) * k_new[0][:, None]).sum(-1).reshape(HQ)
+    torch.testing.assert_close(lse[0], score * HD ** -0.5 / np.log(2))
+    assert first >= 1 and split.paged_rows.size
+    p = split.paged
+    paged = fi.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD", backend="fa2")
+    paged.plan(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (
+        p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len)), HQ, HKV, HD, PS,
+        causal=False, q_data_type=torch.float32)
+    rows = torch.from_numpy(split.paged_rows)
+    part = paged.run(b.q[rows], (b.k, b.v), return_lse=True)
+    merged, _ = fi.merge_state(out[rows], lse[rows], *part)
+    out[rows] = merged
+    want = ref(b) if chunk is None else reference_attention(
+        b.q.double(), b.k.double(), b.v.double(), b.qsl, b.seq, b.table, chunk_size=chunk)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("tensor_cores, hq", [(True, HQ), (False, 16), (False, 48)])
@@ -298,7 +342,8 @@ RUN_ERRORS = [
      "not a page of the cache"),
     (lambda b: dict(out=b.q[1:].clone()), ValueError, "shape of out"),
     (lambda b: dict(out=b.q.half()), ValueError, "dtype of out"),
-    (lambda b: dict(return_lse=True), NotImplementedError, "return_lse"),
+    (lambda b: dict(lse=torch.empty(5, HQ)), NotImplementedError, "lse"),
+    (lambda b: dict(return_lse=True, lse_base="ln"), NotImplementedError, "lse_base"),
 ]
 
 
@@ -308,7 +353,7 @@ def test_prefill_strict_checks(fi, case, error, match):
     change = case(b)
     run_args = dict(q=b.q, paged_kv_cache=(b.k, b.v))
     with pytest.raises(error, match=match):
-        if change.keys() & {"q", "paged_kv_cache", "out", "return_lse"}:
+        if change.keys() & {"q", "paged_kv_cache", "out", "lse", "return_lse"}:
             plan_prefill(fi, b).run(**{**run_args, **change})
         else:
             plan_prefill(fi, b, **change)
