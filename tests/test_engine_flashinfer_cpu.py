@@ -16,6 +16,7 @@ Tokens are compared with the torch reference backend on the same engine flags.
 from __future__ import annotations
 
 import random
+import sys
 
 import flashinfer_standin
 import numpy as np
@@ -160,6 +161,40 @@ def test_prefix_cache_hits_through_the_flashinfer_path_with_graphs(ckpt, tp):
         assert all(o.num_cached_tokens >= 32 for o in got[1:]), [o.num_cached_tokens
                                                                  for o in got]
         assert llm.runner.graph_steps > 0
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "merged"])
+def test_own_keys_ragged_path_equals_the_torch_backend(ckpt, hybrid, monkeypatch):
+    """``RAGGED_OWN_KEYS``: prefill and mixed steps read their own keys from the step's K/V
+    and earlier keys from the cache (prompts prefilled over several 24-token steps, across
+    chunk (16) and page boundaries; prefix-cache hits that stop inside a chunk): the tokens
+    equal the torch backend's, and steps with earlier keys merged them."""
+    from chunklocal.backends.flashinfer import backend as fi_backend
+    from chunklocal.engine.sampling import SamplingParams
+
+    monkeypatch.setattr(fi_backend, "RAGGED_OWN_KEYS", True)
+    merges = []
+    real_merge = flashinfer_standin.standin_core.merge_state
+
+    def counting(*args):
+        merges.append(args[0].shape[0])
+        return real_merge(*args)
+
+    monkeypatch.setattr(sys.modules["flashinfer"], "merge_state", counting)
+    path, _ = ckpt
+    rng = random.Random(12)
+    base = [rng.randrange(512) for _ in range(70)]
+    prompts = [base] + [base[:n] + [rng.randrange(512)] for n in (21, 47, 66)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    kw = dict(ENGINE, max_num_batched_tokens=24, block_size=4, hybrid_kv_cache=hybrid)
+    ref = chunklocal.LLM(path, attention_backend="torch", enable_prefix_caching=False, **kw)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy, use_tqdm=False)]
+    with StandinLLM(path, attention_backend="flashinfer", cuda_graphs=False, **kw) as llm:
+        got = llm.generate(prompts[:1], greedy, use_tqdm=False)
+        got += llm.generate(prompts[1:], greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert any(o.num_cached_tokens for o in got[1:])
+    assert merges and max(merges) > 1  # steps with earlier keys merged them
 
 
 def test_flashinfer_on_the_cpu_is_refused_without_the_widened_devices(ckpt):

@@ -114,7 +114,45 @@ def test_random_batches_ragged_context(seed, chunk, mode):
     check(out, q, k, v, qsl, seq, table, chunk)
 
 
+def own_rows(qsl, seq, table):
+    """Flat cache rows (page * BS + offset) of each query token: where its K/V were written."""
+    q_lens = np.diff(qsl)
+    req = np.repeat(np.arange(q_lens.shape[0]), q_lens)
+    pos = (seq - q_lens)[req] + np.arange(int(qsl[-1])) - qsl[:-1][req]
+    return torch.from_numpy(table[req, pos // BS].astype(np.int64) * BS + pos % BS).cuda()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("chunk", [None, 256])
+def test_own_keys_ragged_path(seed, chunk, monkeypatch):
+    """``RAGGED_OWN_KEYS``: mixed batches with the step's own keys from its K/V (ragged,
+    FA3 on sm_90), the earlier ones paged, merged by LSE, against the reference."""
+    from chunklocal.backends.flashinfer import backend as fi_backend
+
+    monkeypatch.setattr(fi_backend, "RAGGED_OWN_KEYS", True)
+    rng = np.random.default_rng(seed)
+    n, model_len = 8, 2048
+    backend = FlashInferBackend(spec(chunk), EngineLimits(n, 4096, model_len, BS), HQ, HKV,
+                                D, DT, "cuda")
+    q_lens = np.where(rng.random(n) < 0.3, 1, rng.integers(2, 500, n))
+    context = rng.integers(0, model_len - q_lens + 1)
+    context[0] = 0  # one request with no earlier keys
+    seq = context + q_lens
+    width = -(-model_len // BS)
+    k, v = kv_cache(n * width + 1, seed)
+    table = tables(rng, n, width, n * width + 1)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    q = queries(int(qsl[-1]), seed + 10)
+    rows = own_rows(qsl, seq, table)
+    md = backend.build(qsl, seq, table)
+    assert all(isinstance(w, fi_backend.OwnKeys) for w in md.wrappers.values())
+    out = run_eager(backend, q, k, v, qsl, seq, table,
+                    k=k.view(-1, HKV, D)[rows], v=v.view(-1, HKV, D)[rows])
+    check(out, q, k, v, qsl, seq, table, chunk)
+
+
 # ------------------------------------------------------------------- (c)
+def decode_steps(# ------------------------------------------------------------------- (c)
 def decode_steps(rng, batch, model_len, count):
     """Changing real batch sizes (<= batch) and lengths, short and long."""
     steps = []

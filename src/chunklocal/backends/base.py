@@ -69,12 +69,15 @@ class AttentionBackend(Protocol):
 
     def forward(self, metadata: Any, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scale: float, *, kind: Kind | None = None,
-                k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
+                k_scale: float | None = None, v_scale: float | None = None,
+                k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
         """q [tokens, Hq, D]; caches [num_pages, block_size, Hkv, D] (NHD); -> [tokens, Hq, D].
 
         ``kind`` picks the layer kind in a group read by both (required there).
         ``k_scale`` / ``v_scale``: the dequantization scales of FP8 (e4m3) caches
-        (chunklocal/kv_quant.py); passed only with such caches.
+        (chunklocal/kv_quant.py); passed only with such caches.  ``k`` / ``v`` [tokens,
+        Hkv, D]: the step's own keys and values, already written to the cache; a backend
+        may read them from there instead (16-bit caches; passed by the model).
         """
 
 

@@ -67,8 +67,9 @@ class TorchRefBackend:
 
     def forward(self, metadata: dict[Kind, PagedAttentionPlan], q, k_cache, v_cache,
                 scale: float, *, kind: Kind | None = None, k_scale: float | None = None,
-                v_scale: float | None = None):
-        """``k_scale`` / ``v_scale``: FP8 pages' dequantization scales (kv_quant.py)."""
+                v_scale: float | None = None, k=None, v=None):
+        """``k_scale`` / ``v_scale``: FP8 pages' dequantization scales (kv_quant.py); ``k``
+        / ``v`` (the step's own, also in the cache) are not needed here."""
         if kind not in metadata:  # the engine always passes a kind its group has
             kind = pick_kind(self.kinds, kind)
         return run_paged_attention(metadata[kind], q, k_cache, v_cache, scale,

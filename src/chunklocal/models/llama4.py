@@ -199,7 +199,7 @@ class Attention(nn.Module):
                 flat_k.index_copy_(0, step.slot_mapping, k.to(flat_k.dtype))
                 flat_v.index_copy_(0, step.slot_mapping, v.to(flat_v.dtype))
             out = step.backend.forward(step.metadata, q, k_cache, v_cache, self.scale,
-                                       kind=step.kind)
+                                       kind=step.kind, k=k, v=v)
         return out
 
     def output(self, out, dtype):

@@ -53,6 +53,7 @@ import torch
 from chunklocal._validate import as_bool, cdiv, raise_first
 from chunklocal.backends.base import EngineLimits, Kind, pick_kind
 from chunklocal.backends.flashinfer.buffers import MetadataBuffers, write_step
+from chunklocal.backends.flashinfer.ragged import ragged_split
 from chunklocal.bounds.sizing import backend_capacities, slot_page_limits
 from chunklocal.kv_quant import is_fp8
 from chunklocal.kv_spec import FullAttentionSpec, chunk_size_of, softmax_scale
@@ -77,6 +78,18 @@ OVERLAP_EAGER = os.environ.get("CHUNKLOCAL_OVERLAP_EAGER", "1") == "1"
 #: buffers (shared by its graph sizes), as the eager wrappers alternate, because the next
 #: step may be planned before the last one ran.  Off until a GPU A/B and the graph tests.
 GRAPH_REPLAN = os.environ.get("CHUNKLOCAL_GRAPH_REPLAN", "0") == "1"
+#: Eager prefill and mixed steps read the step's own keys from its K/V (ragged) and only
+#: the earlier keys from the paged cache, merged by log-sum-exp (:mod:`.ragged`;
+#: ``CHUNKLOCAL_RAGGED_OWN_KEYS=1``).  The ragged kernel is FlashInfer's ``"auto"``, FA3's
+#: TMA-fed kernel on sm_90: exact under every compute-sanitizer tool but racecheck, where
+#: the paged FA3 kernel is not (docs/fa3-analysis.md).  The H200 prototype
+#: (``benchmarks.prefill_ragged``, 27th session): 76.4% of the matmul rate on a
+#: 36,000-token prompt against 44.9% for the paged FA2 default, but 1.03x slower than
+#: paged FA3 for 8 x 8192 behind prefixes (the merge).  16-bit caches only (an FP8 cache
+#: holds the keys rounded; the step's own would not be).  Off until the engine's GPU tests
+#: and a prefill A/B run with it.
+RAGGED_OWN_KEYS = os.environ.get("CHUNKLOCAL_RAGGED_OWN_KEYS", "0") == "1"
+RAGGED_KERNEL = "auto"
 _workspaces: dict[torch.device, torch.Tensor] = {}
 _NO_INDICES = torch.zeros(0, dtype=torch.int32)
 
@@ -94,6 +107,14 @@ class EagerMetadata:
 
     def __init__(self, wrappers: dict, num_tokens: int):
         self.wrappers, self.num_tokens = wrappers, num_tokens
+
+
+class OwnKeys:
+    """A kind's eager step on the ragged path: the ragged wrapper (the step's own keys),
+    and the paged one with the rows that also read earlier keys (None where none do)."""
+
+    def __init__(self, ragged, earlier, rows: torch.Tensor | None):
+        self.ragged, self.earlier, self.rows = ragged, earlier, rows
 
 
 class GraphMetadata:
@@ -129,9 +150,25 @@ class _KindState:
             ws, "NHD", backend=backend.prefill_backend) for _ in range(2))
         self.decode = tuple(flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             ws, "NHD", use_tensor_cores=True) for _ in range(2))
+        self._own_keys: list | None = None  # RAGGED_OWN_KEYS' wrappers, made at first use
+        self._backend_name = backend.prefill_backend
         #: GRAPH_REPLAN's two host staging buffers (made at the first re-plan) and the next.
         self.replan_staging: tuple[torch.Tensor, torch.Tensor] | None = None
         self.replan_parity = 0
+
+    def own_keys(self, parity: int) -> tuple:
+        """(ragged, paged) wrappers of eager step ``parity`` for :data:`RAGGED_OWN_KEYS`."""
+        import flashinfer
+
+        if self._own_keys is None:
+            ws = _workspace(self.buffers.device)
+            self._own_keys = [
+                (flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD",
+                                                                 backend=RAGGED_KERNEL),
+                 flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD",
+                                                                backend=self._backend_name))
+                for _ in range(2)]
+        return self._own_keys[parity]
 
     def staging(self, wrapper) -> torch.Tensor:
         """The host staging buffer this re-plan of a graph ``wrapper`` writes (alternating)."""
@@ -154,7 +191,9 @@ class FlashInferBackend:
                  graph_batch_sizes=None, verify_len: int | None = None,
                  scratch_page: int | None = None, sm_scale: float | None = None,
                  prefill_backend: str = "fa2"):
-        import flashinfer  # noqa: F401  (fail here, not at the first step)
+        import flashinfer  # fail here, not at the first step
+
+        self._merge_state = flashinfer.merge_state
 
         self.spec, self.limits = spec, limits
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
@@ -253,7 +292,11 @@ class FlashInferBackend:
         wrappers: dict[Kind, Any] = {}
         decode_only = bool(query_lens.size) and bool((query_lens == 1).all())
         parity, self._eager_parity = self._eager_parity, self._eager_parity ^ 1
+        own_keys = RAGGED_OWN_KEYS and not decode_only and not is_fp8(self.spec.dtype)
         for kind, state in self._kinds.items():
+            if own_keys:
+                wrappers[kind] = self._plan_own_keys(state, parity, qsl, seq_lens, block_table)
+                continue
             step = write_step(state.buffers, qsl, seq_lens, block_table, query_lens,
                               state.chunk_size)
             if step.num_batches == 0:
@@ -273,6 +316,25 @@ class FlashInferBackend:
             wrappers[kind] = wrapper
             state.buffers.mark_consumed(step)
         return EagerMetadata(wrappers, int(qsl[-1]) if qsl.size else 0)
+
+    def _plan_own_keys(self, state: _KindState, parity: int, qsl, seq_lens,
+                       block_table) -> OwnKeys | None:
+        """Plan one kind's eager step on the ragged path (:data:`RAGGED_OWN_KEYS`)."""
+        split = ragged_split(qsl, seq_lens, block_table, state.chunk_size, self.block_size)
+        if split.num_batches == 0 or split.qo_indptr[-1] == 0:
+            return None
+        ragged, earlier = state.own_keys(parity)
+        heads = (self.num_q_heads, self.num_kv_heads, self.head_dim)
+        qo = torch.from_numpy(split.qo_indptr)
+        ragged.plan(qo, qo, *heads, causal=True, **self._plan_kwargs())
+        if not split.paged_rows.size:
+            return OwnKeys(ragged, None, None)
+        p = split.paged
+        earlier.plan(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (
+            p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len)), *heads,
+            self.block_size, causal=False, **self._plan_kwargs())
+        rows = torch.from_numpy(split.paged_rows).to(self.device, non_blocking=True)
+        return OwnKeys(ragged, earlier, rows)
 
     def _graph(self, batch_size: int, query_len: int) -> GraphMetadata:
         graph = self._graphs.get((batch_size, query_len))
@@ -320,13 +382,15 @@ class FlashInferBackend:
     def forward(self, metadata, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scale: float, *, kind: Kind | None = None,
                 out: torch.Tensor | None = None, k_scale: float | None = None,
-                v_scale: float | None = None):
+                v_scale: float | None = None, k: torch.Tensor | None = None,
+                v: torch.Tensor | None = None):
         """q [tokens, Hq, D]; caches [num_pages, block_size, Hkv, D] -> [tokens, Hq, D].
 
         ``kind`` picks the layer kind in a merged group (required there); ``out``
         (optional, q's shape and dtype) receives the result.  ``k_scale`` / ``v_scale``:
         FP8 pages' scales, passed to ``run()`` (0.7.2 folds k_scale into sm_scale and
-        multiplies the output by v_scale).
+        multiplies the output by v_scale).  ``k`` / ``v`` [tokens, Hkv, D]: the step's own
+        keys and values (as written to the cache), read on the ragged path.
         """
         if kind not in self._kinds:  # the engine always passes a kind its group has
             kind = pick_kind(self._kinds, kind)
@@ -337,6 +401,20 @@ class FlashInferBackend:
         wrapper = metadata.wrappers[kind]
         if wrapper is None:
             return q.new_empty(q.shape) if out is None else out
+        if isinstance(wrapper, OwnKeys):
+            if k is None or v is None:
+                raise ValueError("this step reads its own keys from k and v (the ragged "
+                                 "path, CHUNKLOCAL_RAGGED_OWN_KEYS): pass them")
+            o, lse = wrapper.ragged.run(q, k.contiguous(), v.contiguous(), q_scale=q_scale,
+                                        return_lse=True)
+            if wrapper.rows is not None:
+                rows = wrapper.rows
+                part = wrapper.earlier.run(q.index_select(0, rows), (k_cache, v_cache),
+                                           q_scale=q_scale, return_lse=True)
+                merged, _ = self._merge_state(o.index_select(0, rows),
+                                              lse.index_select(0, rows), *part)
+                o.index_copy_(0, rows, merged)
+            return o if out is None else out.copy_(o)
         if isinstance(metadata, GraphMetadata) and metadata.two_slots[kind]:
             b, n = metadata.batch_size, metadata.query_len
             pair = q.view(b, 1, n, *q.shape[1:]).expand(b, 2, n, *q.shape[1:])
