@@ -152,7 +152,6 @@ def test_own_keys_ragged_path(seed, chunk, monkeypatch):
 
 
 # ------------------------------------------------------------------- (c)
-def decode_steps(# ------------------------------------------------------------------- (c)
 def decode_steps(rng, batch, model_len, count):
     """Changing real batch sizes (<= batch) and lengths, short and long."""
     steps = []
