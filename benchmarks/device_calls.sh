@@ -7,6 +7,8 @@
 #                                            # those tokens move to `ab2`)
 #   bash benchmarks/device_calls.sh replan   # decode graphs re-planned each step (GRAPH_REPLAN):
 #                                            # the batch-1 A/B at a 131k limit, graph and token tests
+#   bash benchmarks/device_calls.sh ownkeys  # the step's own keys ragged (RAGGED_OWN_KEYS): GPU tests,
+#                                            # full-size prefill at 8k/32k off and on
 #   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
 #   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
@@ -87,6 +89,14 @@ case ${1:-ab} in
     else ab_tokens "$left"; fi ;;
   ab2)
     ab_tokens 300 ;;
+  ownkeys)  # issue 20 item 4 in the engine: the GPU tests with it on, then the prefill A/B
+    ( export CHUNKLOCAL_RAGGED_OWN_KEYS=1
+      pt 240 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits" )
+    for on in 0 1; do
+      ( export CHUNKLOCAL_RAGGED_OWN_KEYS=$on
+        bench 150 "prefill_own$on" benchmarks.prefill_profile --prompts 8192 32768 \
+          --profile-steps 1 --out "$OUT/prefill_own$on" )
+    done ;;
   tune)
     bench 540 gemv_tune benchmarks.fp8_small_m --rows 1 --gemv-tune 1 2 16 --out "$OUT/tune" ;;
   stress)
@@ -120,7 +130,7 @@ case ${1:-ab} in
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, replan, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, replan, ownkeys, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"
