@@ -354,6 +354,26 @@ def test_decode_graphs_replan_each_step_for_its_own_lengths(monkeypatch):
         step([40, 7, 30])
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_engine_with_decode_graphs_replanned_equals_the_torch_backend(ckpt, k, monkeypatch):
+    """``GRAPH_REPLAN`` through the engine's loop (async scheduling, graphs of several
+    sizes, verify windows with k = 3, which keep their plan): the torch backend's tokens, and
+    the decode graphs' wrappers were planned again (their staging buffers exist)."""
+    from chunklocal.backends.flashinfer import backend as fi_backend
+
+    monkeypatch.setattr(fi_backend, "GRAPH_REPLAN", True)
+    path, _ = ckpt
+    prompts = motif_prompts(k)
+    kw = dict(ENGINE, num_speculative_tokens=k)
+    llm = StandinLLM(path, attention_backend="flashinfer", cuda_graphs=True, **kw)
+    ref = chunklocal.LLM(path, attention_backend="torch", **kw)
+    assert llm.generate(prompts, max_new_tokens=20) == ref.generate(prompts,
+                                                                    max_new_tokens=20)
+    assert llm.runner.graph_steps > 0
+    states = [s for b in llm.runner.backends for s in b._kinds.values()]
+    assert all(s.replan_staging is not None for s in states) == (k == 0)
+
+
 def test_eager_flashinfer_steps_overlap_unless_switched_off(ckpt, monkeypatch):
     """By default (CHUNKLOCAL_OVERLAP_EAGER unset) an eager step on backends that
     double-buffer their plans is overlap-safe: on a GPU the engine launches the next step

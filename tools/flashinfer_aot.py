@@ -23,11 +23,12 @@ The module list follows what the engine asks for (backends/flashinfer, models/fu
 engine/sampler.py) at Llama-4's head_dim 128: the FA2 paged prefill kernel (which the
 tensor-core decode wrapper also runs) for bf16 and FP8 KV, the FA3 one with
 ``--fa3`` (its module also holds the ragged kernel of ``CHUNKLOCAL_RAGGED_OWN_KEYS``),
-``silu_and_mul``, the sampling kernels and ``cascade`` (``merge_state``).  Each module's name is FlashInfer's
-own (its generator functions are called here), so a device asking for it finds it.  The
-tool ends by loading the archive as the device will (``check``: unpacked into the package's
-``data/aot``, a fresh process, JIT disabled): a module FlashInfer would not take from there
-fails it (a module left out of the archive did: ``AssertionError: sampling``).
+``silu_and_mul``, the sampling kernels and ``cascade`` (``merge_state``).  Each module's
+name is FlashInfer's own (its generator functions are called here), so a device asking for
+it finds it.  The tool ends by loading the archive as the device will (``check``: unpacked
+into the package's ``data/aot``, a fresh process, JIT disabled): a module FlashInfer would
+not take from there fails it (a module left out of the archive did: ``AssertionError:
+sampling``).
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def specs(fa3: bool):
     import torch
     from flashinfer.jit.activation import gen_act_and_mul_module
-    from flashinfer.jit.cascade import gen_cascade_module
     from flashinfer.jit.attention.modules import (
         _gen_batch_prefill_primary_module,
         gen_batch_prefill_module,
     )
+    from flashinfer.jit.cascade import gen_cascade_module
     from flashinfer.jit.sampling import gen_sampling_module
 
     bf16, idx = torch.bfloat16, torch.int32
