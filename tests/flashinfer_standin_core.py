@@ -120,6 +120,28 @@ def int32_vector(name: str, tensor) -> torch.Tensor:
     return tensor
 
 
+#: plan() options both prefill wrappers refuse unless left at these defaults
+PREFILL_REFUSED = {"custom_mask": None, "packed_custom_mask": None,
+                   "use_fp16_qk_reduction": False, "window_left": -1, "prefix_len_ptr": None,
+                   "token_pos_in_items_ptr": None, "token_pos_in_items_len": 0,
+                   "max_item_len_ptr": None, "seq_lens": None, "seq_lens_q": None}
+
+
+def check_prefill_plan(args: dict, page_size: int, *also_refused: str) -> None:
+    """What the paged and ragged prefill wrappers' plan() check alike, from the call's
+    arguments ``args`` (its ``locals()``): the geometry, the options the stand-in does not
+    model (:data:`PREFILL_REFUSED` and ``also_refused``, which default to None)."""
+    check_geometry(args["num_qo_heads"], args["num_kv_heads"], args["head_dim_qk"], page_size)
+    if args["head_dim_vo"] is not None and args["head_dim_vo"] != args["head_dim_qk"]:
+        refuse(head_dim_vo=(args["head_dim_vo"], None))
+    check_pos_encoding(args["pos_encoding_mode"])
+    defaults = {**PREFILL_REFUSED, **dict.fromkeys(also_refused)}
+    refuse(**{name: (args[name], default) for name, default in defaults.items()})
+    if args["logits_soft_cap"] not in (None, 0, 0.0):
+        refuse(logits_soft_cap=(args["logits_soft_cap"], None))
+    check_bool("causal", args["causal"])
+
+
 def check_qo_indptr(qo: torch.Tensor, name: str = "qo_indptr") -> list[int]:
     values = qo.tolist()
     if not values or values[0] != 0:

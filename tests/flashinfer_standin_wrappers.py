@@ -68,21 +68,7 @@ class BatchPrefillWithPagedKVCacheWrapper(core.PagedWrapper):
         # Ignored as on the fa2 path (hints, or RoPE parameters with no RoPE): non_blocking,
         # rope_scale, rope_theta, max_token_per_sequence, max_sequence_kv, fixed_split_size,
         # disable_split_kv, uniform_q_len.
-        core.check_geometry(num_qo_heads, num_kv_heads, head_dim_qk, page_size)
-        if head_dim_vo is not None and head_dim_vo != head_dim_qk:
-            core.refuse(head_dim_vo=(head_dim_vo, None))
-        core.check_pos_encoding(pos_encoding_mode)
-        core.refuse(custom_mask=(custom_mask, None),
-                    packed_custom_mask=(packed_custom_mask, None),
-                    use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
-                    window_left=(window_left, -1), prefix_len_ptr=(prefix_len_ptr, None),
-                    token_pos_in_items_ptr=(token_pos_in_items_ptr, None),
-                    token_pos_in_items_len=(token_pos_in_items_len, 0),
-                    max_item_len_ptr=(max_item_len_ptr, None), seq_lens=(seq_lens, None),
-                    seq_lens_q=(seq_lens_q, None), block_tables=(block_tables, None))
-        if logits_soft_cap not in (None, 0, 0.0):
-            core.refuse(logits_soft_cap=(logits_soft_cap, None))
-        core.check_bool("causal", causal)
+        core.check_prefill_plan(locals(), page_size, "block_tables")
         sm_scale = core.check_scalar("sm_scale", sm_scale)
         q_dtype, kv_dtype, o_dtype = core.plan_dtypes(q_data_type, kv_data_type, o_data_type)
         qo = core.int32_vector("qo_indptr", qo_indptr)
@@ -346,22 +332,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
              max_sequence_kv=None, v_indptr=None, o_indptr=None, uniform_q_len=None):
         # Ignored (hints): non_blocking, rope_scale, rope_theta, fixed_split_size,
         # disable_split_kv, max_token_per_sequence, max_sequence_kv, uniform_q_len.
-        core.check_geometry(num_qo_heads, num_kv_heads, head_dim_qk, 1)
-        if head_dim_vo is not None and head_dim_vo != head_dim_qk:
-            core.refuse(head_dim_vo=(head_dim_vo, None))
-        core.check_pos_encoding(pos_encoding_mode)
-        core.refuse(custom_mask=(custom_mask, None),
-                    packed_custom_mask=(packed_custom_mask, None),
-                    use_fp16_qk_reduction=(use_fp16_qk_reduction, False),
-                    window_left=(window_left, -1), prefix_len_ptr=(prefix_len_ptr, None),
-                    token_pos_in_items_ptr=(token_pos_in_items_ptr, None),
-                    token_pos_in_items_len=(token_pos_in_items_len, 0),
-                    max_item_len_ptr=(max_item_len_ptr, None), seq_lens=(seq_lens, None),
-                    seq_lens_q=(seq_lens_q, None), v_indptr=(v_indptr, None),
-                    o_indptr=(o_indptr, None))
-        if logits_soft_cap not in (None, 0, 0.0):
-            core.refuse(logits_soft_cap=(logits_soft_cap, None))
-        core.check_bool("causal", causal)
+        core.check_prefill_plan(locals(), 1, "v_indptr", "o_indptr")  # no pages
         q_dtype, kv_dtype, o_dtype = core.plan_dtypes(q_data_type, kv_data_type, o_data_type)
         qo = core.check_qo_indptr(core.int32_vector("qo_indptr", qo_indptr))
         kv = core.check_qo_indptr(core.int32_vector("kv_indptr", kv_indptr), "kv_indptr")
