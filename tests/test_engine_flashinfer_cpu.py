@@ -268,15 +268,22 @@ def test_piecewise_bucket_choice_and_a_step_past_the_largest(ckpt, monkeypatch):
         pw.run(torch.zeros(49, dtype=torch.long), np.zeros(49, dtype=np.int64), {})
 
 
+@pytest.mark.parametrize("own_keys", [False, True], ids=["paged", "own-keys"])
 @pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
-def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_only):
+def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_only,
+                                                                         own_keys,
+                                                                         monkeypatch):
     """With async scheduling the engine plans step n+1 while step n is still queued
     (engine/overlap.py), so an eager build must not re-plan the wrapper step n runs: the
-    backend alternates two wrappers per kind.  Here step n's attention, run again after
-    step n+1 was built, is what it was; the third build reuses the first one's wrappers."""
+    backend alternates two wrappers per kind (and, on the ragged path, two host stagings).
+    Here step n's attention, run again after step n+1 was built, is what it was; the third
+    build reuses the first one's wrappers."""
     from chunklocal.backends.base import EngineLimits, Kind
     from chunklocal.backends.flashinfer import FlashInferBackend
+    from chunklocal.backends.flashinfer import backend as fi_backend
     from chunklocal.kv_spec import FullAttentionSpec
+
+    monkeypatch.setattr(fi_backend, "RAGGED_OWN_KEYS", own_keys)
 
     spec = FullAttentionSpec(4, 2, 16, torch.float32, attention_chunk_size=8)
     backend = FlashInferBackend(spec, EngineLimits(4, 64, 64, 4), 4, 2, 16, torch.float32,
@@ -293,14 +300,24 @@ def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_
 
     lens = [1, 1, 1] if decode_only else [1, 5, 3]
     first, q1 = step(lens, [9, 20, 14])
-    want = {kind: backend.forward(first, q1, k_cache, v_cache, 0.25, kind=kind)
+    # the step's own keys (the ragged path reads them): any values, the same each run
+    own = {"k": torch.randn(q1.shape[0], 2, 16, generator=gen),
+           "v": torch.randn(q1.shape[0], 2, 16, generator=gen)}
+    want = {kind: backend.forward(first, q1, k_cache, v_cache, 0.25, kind=kind, **own)
             for kind in (Kind.CHUNKED, Kind.GLOBAL)}
+    ragged = own_keys and not decode_only
+    assert all(isinstance(first.wrappers[k], fi_backend.OwnKeys) == ragged for k in want)
+
+    def wrapper(md, kind):
+        return md.wrappers[kind].ragged if ragged else md.wrappers[kind]
+
     second, _ = step(lens[:2], [30, 7])
-    assert all(first.wrappers[k] is not second.wrappers[k] for k in want)
+    assert all(wrapper(first, k) is not wrapper(second, k) for k in want)
     for kind, out in want.items():
-        assert torch.equal(backend.forward(first, q1, k_cache, v_cache, 0.25, kind=kind), out)
+        assert torch.equal(backend.forward(first, q1, k_cache, v_cache, 0.25, kind=kind,
+                                           **own), out)
     third, _ = step(lens, [10, 21, 15])
-    assert all(third.wrappers[k] is first.wrappers[k] for k in want)
+    assert all(wrapper(third, k) is wrapper(first, k) for k in want)
 
 
 def test_decode_graphs_replan_each_step_for_its_own_lengths(monkeypatch):

@@ -53,7 +53,7 @@ import torch
 from chunklocal._validate import as_bool, cdiv, raise_first
 from chunklocal.backends.base import EngineLimits, Kind, pick_kind
 from chunklocal.backends.flashinfer.buffers import MetadataBuffers, write_step
-from chunklocal.backends.flashinfer.ragged import ragged_split
+from chunklocal.backends.flashinfer.ragged import PinnedArrays, ragged_split
 from chunklocal.bounds.sizing import backend_capacities, slot_page_limits
 from chunklocal.kv_quant import is_fp8
 from chunklocal.kv_spec import FullAttentionSpec, chunk_size_of, softmax_scale
@@ -157,16 +157,19 @@ class _KindState:
         self.replan_parity = 0
 
     def own_keys(self, parity: int) -> tuple:
-        """(ragged, paged) wrappers of eager step ``parity`` for :data:`RAGGED_OWN_KEYS`."""
+        """(ragged, paged) wrappers and the host staging of eager step ``parity`` for
+        :data:`RAGGED_OWN_KEYS`."""
         import flashinfer
 
         if self._own_keys is None:
             ws = _workspace(self.buffers.device)
+            pin = self.buffers.device.type == "cuda"
             self._own_keys = [
                 (flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD",
                                                                  backend=RAGGED_KERNEL),
                  flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD",
-                                                                backend=self._backend_name))
+                                                                backend=self._backend_name),
+                 PinnedArrays(pin))
                 for _ in range(2)]
         return self._own_keys[parity]
 
@@ -323,17 +326,18 @@ class FlashInferBackend:
         split = ragged_split(qsl, seq_lens, block_table, state.chunk_size, self.block_size)
         if split.num_batches == 0 or split.qo_indptr[-1] == 0:
             return None
-        ragged, earlier = state.own_keys(parity)
+        ragged, earlier, host = state.own_keys(parity)
         heads = (self.num_q_heads, self.num_kv_heads, self.head_dim)
-        qo = torch.from_numpy(split.qo_indptr)
+        # one buffer per array: a plan's copies from them may still be queued
+        qo = host.put("ragged_qo_indptr", split.qo_indptr)
         ragged.plan(qo, qo, *heads, causal=True, **self._plan_kwargs())
         if not split.paged_rows.size:
             return OwnKeys(ragged, None, None)
         p = split.paged
-        earlier.plan(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (
-            p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len)), *heads,
+        earlier.plan(*(host.put(f"paged_{name}", getattr(p, name)) for name in (
+            "qo_indptr", "kv_indptr", "kv_indices", "last_page_len")), *heads,
             self.block_size, causal=False, **self._plan_kwargs())
-        rows = torch.from_numpy(split.paged_rows).to(self.device, non_blocking=True)
+        rows = host.put("rows", split.paged_rows).to(self.device, non_blocking=True)
         return OwnKeys(ragged, earlier, rows)
 
     def _graph(self, batch_size: int, query_len: int) -> GraphMetadata:

@@ -22,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from chunklocal.virtual_batches import make_virtual_batches
 
-__all__ = ["PagedKV", "RaggedSplit", "paged_kv_arrays", "ragged_split"]
+__all__ = ["PagedKV", "PinnedArrays", "RaggedSplit", "paged_kv_arrays", "ragged_split"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +97,27 @@ def ragged_split(query_start_loc, seq_lens, block_table, chunk_size: int | None,
     paged_qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     paged = paged_kv_arrays(paged_qsl, earlier[has], table[has], block_size)
     return RaggedSplit(qsl.astype(np.int32), rows, paged, int(q_lens.shape[0]))
+
+
+class PinnedArrays:
+    """Host staging of one eager step's ragged-path arrays, page-locked on a CUDA machine: a
+    copy to the device from pageable memory may wait for the stream, which would stall the
+    overlapped steps (engine/overlap.py).  Each array has its buffer, grown by doubling;
+    the backend keeps one set per eager parity, as it keeps two wrappers, since the next
+    step is planned while the last one's copies may still be queued."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """``array`` (int32 or int64) copied into buffer ``name``: a view of its length."""
+        array = np.ascontiguousarray(array)
+        dtype = torch.from_numpy(array[:0]).dtype
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < array.size:
+            size = max(array.size, 2 * (buf.numel() if buf is not None else 32))
+            buf = self._buffers[name] = torch.empty(size, dtype=dtype, pin_memory=self.pin)
+        view = buf[:array.size]
+        view.numpy()[:] = array
+        return view
