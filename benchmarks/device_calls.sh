@@ -9,6 +9,7 @@
 #                                            # the batch-1 A/B at a 131k limit, graph and token tests
 #   bash benchmarks/device_calls.sh ownkeys  # the step's own keys ragged (RAGGED_OWN_KEYS): GPU tests,
 #                                            # full-size prefill at 8k/32k off and on
+#   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
 #   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
 #   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
@@ -97,6 +98,18 @@ case ${1:-ab} in
         bench 150 "prefill_own$on" benchmarks.prefill_profile --prompts 8192 32768 \
           --profile-steps 1 --out "$OUT/prefill_own$on" )
     done ;;
+  tpot)  # issue 19's target, the async-scheduled batch-1 step: the defaults, the in-kernel
+    # router, the 16-bit GEMV (q/k/v, o_proj and the LM head, which runs outside the graph),
+    # one process each, alternated twice
+    if [ "$big" = 1 ]; then tmodel=scout-fp8; else tmodel=scout-fp8-12; fi
+    for round in 1 2; do
+      for v in defaults router gemv16; do
+        ( case $v in router) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 ;;
+                     gemv16) export CHUNKLOCAL_GEMV_LINEAR=1 ;; esac
+          bench 110 "tpot_${v}_$round" benchmarks.overlap_decode --model $tmodel \
+            --kv-cache-dtype fp8 --batches 1 --new 64 --rounds 2 --out "$OUT/tpot_${v}_$round" )
+      done
+    done ;;
   tune)
     bench 540 gemv_tune benchmarks.fp8_small_m --rows 1 --gemv-tune 1 2 16 --out "$OUT/tune" ;;
   stress)
@@ -130,7 +143,7 @@ case ${1:-ab} in
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, replan, ownkeys, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, replan, ownkeys, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"
