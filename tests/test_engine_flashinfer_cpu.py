@@ -364,11 +364,19 @@ def test_decode_graphs_replan_each_step_for_its_own_lengths(monkeypatch):
     state = backend._kinds[Kind.GLOBAL]
     assert staged[0] is staged[2] is state.replan_staging[0]
     assert staged[1] is state.replan_staging[1]
-    # planned for short contexts, replayed on longer ones without a re-plan: keys lost
-    step([3, 5, 2])
-    monkeypatch.setattr(fi_backend, "GRAPH_REPLAN", False)
+    # planned for short contexts, the buffers refreshed for longer ones without a plan:
+    # the stand-in refuses (the kernel's tiles would drop keys)
+    md = step([3, 5, 2])
+    graph_step, _ = state.buffers.write_graph_step(
+        np.array([40, 7, 30, 0]), table[[0, 1, 2, 0]], 1, None, False, 39)
+    state.buffers.copy_to_device(graph_step)
     with pytest.raises(RuntimeError, match="the split-KV plan covers"):
-        step([40, 7, 30])
+        backend.forward(md, torch.zeros(4, 4, 16), k_cache, v_cache, 0.25, kind=Kind.GLOBAL)
+    # the switch off again: the next build plans for the longest keys first
+    monkeypatch.setattr(fi_backend, "GRAPH_REPLAN", False)
+    md = step([40, 7, 30])
+    assert md.wrappers[Kind.GLOBAL]._planned_kv_lens == [64] * 4 and not md.replanned
+    step([41, 8, 31])
 
 
 @pytest.mark.parametrize("k", [0, 3])

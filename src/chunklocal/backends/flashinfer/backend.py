@@ -120,12 +120,16 @@ class OwnKeys:
 class GraphMetadata:
     """Static per (B, query_len): wrappers aliasing the persistent buffers.  ``use_first``
     [B * query_len] picks each row's slot where ``two_slots[kind]`` (chunked verify);
-    an empty tensor where no kind has two slots."""
+    an empty tensor where no kind has two slots.  ``longest[kind]``: the (indptr,
+    last_page_len) host tensors of the plan for the longest keys; ``replanned``: the kinds
+    whose wrapper holds a plan for an earlier step's lengths (:data:`GRAPH_REPLAN`)."""
 
     def __init__(self, batch_size: int, query_len: int, wrappers: dict, two_slots: dict,
-                 use_first: torch.Tensor):
+                 use_first: torch.Tensor, longest: dict):
         self.batch_size, self.query_len = batch_size, query_len
         self.wrappers, self.two_slots, self.use_first = wrappers, two_slots, use_first
+        self.longest = longest
+        self.replanned: set[Kind] = set()
 
 
 class _KindState:
@@ -247,7 +251,7 @@ class FlashInferBackend:
     def _make_graph(self, batch_size: int, query_len: int) -> GraphMetadata:
         import flashinfer
 
-        wrappers, two = {}, {}
+        wrappers, two, longest = {}, {}, {}
         for kind, state in self._kinds.items():
             limits = slot_page_limits(state.chunk_size, query_len, self.limits.max_model_len,
                                       self.block_size)
@@ -263,8 +267,10 @@ class FlashInferBackend:
             max_keys = np.minimum(np.array(limits) * self.block_size, self.limits.max_model_len)
             keys = np.tile(max_keys, batch_size)
             pages = cdiv(keys, self.block_size)
+            pin = self.device.type == "cuda"  # kept: a later plan copies from them again
             indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32))
             last = torch.from_numpy((keys - (pages - 1) * self.block_size).astype(np.int32))
+            longest[kind] = (indptr.pin_memory(), last.pin_memory()) if pin else (indptr, last)
             wrapper.plan(indptr, _NO_INDICES, last, self.num_q_heads,
                          self.num_kv_heads, self.head_dim, self.block_size,
                          q_len_per_req=query_len, disable_split_kv=query_len > 1,
@@ -274,7 +280,7 @@ class FlashInferBackend:
         if two.get(Kind.CHUNKED):
             use_first = self._kinds[Kind.CHUNKED].buffers.verify_use_first[
                 : batch_size * query_len]
-        return GraphMetadata(batch_size, query_len, wrappers, two, use_first)
+        return GraphMetadata(batch_size, query_len, wrappers, two, use_first, longest)
 
     # ---------------------------------------------------------------- build
     def build(self, query_start_loc, seq_lens, block_table, *, graph_batch_size=None):
@@ -369,18 +375,31 @@ class FlashInferBackend:
             step, mask = state.buffers.write_graph_step(
                 padded_seq_lens, padded_table, query_len, state.chunk_size,
                 graph.two_slots[kind], self.scratch_page)
+            if kind in graph.replanned and not (replan and GRAPH_REPLAN):
+                # planned for an earlier step's lengths, and not re-planned now (the switch
+                # went off, or a capture): back to the longest keys first, since that plan
+                # copies its lengths into the aliased buffers the step's copy then refreshes
+                self._plan_graph(graph, kind, state, *graph.longest[kind])
+                graph.replanned.discard(kind)
             state.buffers.copy_to_device(step)
             if mask is not None:
                 graph.use_first.copy_(torch.from_numpy(mask), non_blocking=True)
             if replan and GRAPH_REPLAN and query_len == 1:
-                wrapper = graph.wrappers[kind]
-                # the indices are already in the aliased buffer: none passed
-                wrapper._pin_memory_int_workspace_buffer = state.staging(wrapper)
-                wrapper.plan(step.paged_kv_indptr, _NO_INDICES, step.paged_kv_last_page_len,
-                             self.num_q_heads, self.num_kv_heads, self.head_dim,
-                             self.block_size, q_len_per_req=1, non_blocking=True,
-                             **self._plan_kwargs())
+                self._plan_graph(graph, kind, state, step.paged_kv_indptr,
+                                 step.paged_kv_last_page_len)
+                graph.replanned.add(kind)
         return graph
+
+    def _plan_graph(self, graph: GraphMetadata, kind: Kind, state: _KindState, indptr,
+                    last_page_len) -> None:
+        """Plan a decode graph's wrapper again for these lengths (host tensors that stay as
+        they are until the plan's copies ran): :data:`GRAPH_REPLAN`.  The indices are in
+        the aliased buffer already: none passed."""
+        wrapper = graph.wrappers[kind]
+        wrapper._pin_memory_int_workspace_buffer = state.staging(wrapper)
+        wrapper.plan(indptr, _NO_INDICES, last_page_len, self.num_q_heads, self.num_kv_heads,
+                     self.head_dim, self.block_size, q_len_per_req=1, non_blocking=True,
+                     **self._plan_kwargs())
 
     # -------------------------------------------------------------- forward
     def forward(self, metadata, q: torch.Tensor, k_cache: torch.Tensor,
