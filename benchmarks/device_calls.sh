@@ -7,6 +7,7 @@
 #                                            # those tokens move to `ab2`)
 #   bash benchmarks/device_calls.sh replan   # decode graphs re-planned each step (GRAPH_REPLAN):
 #                                            # the batch-1 A/B at a 131k limit, graph and token tests
+#   bash benchmarks/device_calls.sh combo    # ab2 + replan in one call (router and re-plan on together)
 #   bash benchmarks/device_calls.sh ownkeys  # the step's own keys ragged (RAGGED_OWN_KEYS): GPU tests,
 #                                            # full-size prefill at 8k/32k off and on
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
@@ -90,6 +91,14 @@ case ${1:-ab} in
     else ab_tokens "$left"; fi ;;
   ab2)
     ab_tokens 300 ;;
+  combo)  # ab2 and replan in one call: the 131k A/B, then the tokens and graph tests with
+    # the in-kernel router and the re-plan both on (a failure is then read per test name)
+    # shellcheck disable=SC2086
+    bench 200 replan benchmarks.switch_ab $model --batch 1 --max-model-len 131072 \
+      --switches graph_replan router router+graph_replan --out "$OUT/replan"
+    ( export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 CHUNKLOCAL_GRAPH_REPLAN=1
+      pt 320 tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_triton_gpu.py \
+        tests/gpu/test_flashinfer.py -k "gemv or oracle or tokens or graph" ) ;;
   ownkeys)  # issue 20 item 4 in the engine: the GPU tests with it on, then the prefill A/B
     ( export CHUNKLOCAL_RAGGED_OWN_KEYS=1
       pt 240 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits" )
@@ -143,7 +152,7 @@ case ${1:-ab} in
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, replan, ownkeys, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"
