@@ -112,10 +112,13 @@ case ${1:-ab} in
     # one process each, alternated twice
     if [ "$big" = 1 ]; then tmodel=scout-fp8; else tmodel=scout-fp8-12; fi
     for round in 1 2; do
-      for v in defaults router gemv16; do
+      for v in ${TPOT_VARIANTS:-defaults router gemv16}; do
+        left=$(( 545 - $(date +%s) + t0 ))
+        if [ "$left" -lt 100 ]; then say "no time for $v round $round"; continue; fi
         ( case $v in router) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 ;;
-                     gemv16) export CHUNKLOCAL_GEMV_LINEAR=1 ;; esac
-          bench 110 "tpot_${v}_$round" benchmarks.overlap_decode --model $tmodel \
+                     gemv16) export CHUNKLOCAL_GEMV_LINEAR=1 ;;
+                     norouter) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=0 ;; esac
+          bench $(( left < 110 ? left : 110 )) "tpot_${v}_$round" benchmarks.overlap_decode --model $tmodel \
             --kv-cache-dtype fp8 --batches 1 --new 64 --rounds 2 --out "$OUT/tpot_${v}_$round" )
       done
     done ;;
