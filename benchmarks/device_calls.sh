@@ -100,11 +100,12 @@ case ${1:-ab} in
       pt 320 tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_triton_gpu.py \
         tests/gpu/test_flashinfer.py -k "gemv or oracle or tokens or graph" ) ;;
   ownkeys)  # issue 20 item 4 in the engine: the GPU tests with it on, then the prefill A/B
+    pmodel=""; [ "$big" = 1 ] || pmodel="--models scout-fp8-12"
     ( export CHUNKLOCAL_RAGGED_OWN_KEYS=1
       pt 240 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits" )
     for on in 0 1; do
       ( export CHUNKLOCAL_RAGGED_OWN_KEYS=$on
-        bench 150 "prefill_own$on" benchmarks.prefill_profile --prompts 8192 32768 \
+        bench 150 "prefill_own$on" benchmarks.prefill_profile --prompts 8192 32768 $pmodel \
           --profile-steps 1 --out "$OUT/prefill_own$on" )
     done ;;
   tpot)  # issue 19's target, the async-scheduled batch-1 step: the defaults, the in-kernel
@@ -117,7 +118,8 @@ case ${1:-ab} in
         if [ "$left" -lt 100 ]; then say "no time for $v round $round"; continue; fi
         ( case $v in router) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 ;;
                      gemv16) export CHUNKLOCAL_GEMV_LINEAR=1 ;;
-                     norouter) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=0 ;; esac
+                     norouter) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=0 ;;
+                     replan) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 CHUNKLOCAL_GRAPH_REPLAN=1 ;; esac
           bench $(( left < 110 ? left : 110 )) "tpot_${v}_$round" benchmarks.overlap_decode --model $tmodel \
             --kv-cache-dtype fp8 --batches 1 --new 64 --rounds 2 --out "$OUT/tpot_${v}_$round" )
       done

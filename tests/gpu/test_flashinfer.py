@@ -18,6 +18,7 @@ flashinfer = pytest.importorskip("flashinfer")
 
 from chunklocal.backends.base import EngineLimits  # noqa: E402
 from chunklocal.backends.flashinfer import FlashInferBackend  # noqa: E402
+from chunklocal.backends.flashinfer import backend as fi_backend  # noqa: E402
 from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, Kind, merge  # noqa: E402,E501
 from chunklocal.reference import reference_attention  # noqa: E402
 
@@ -60,10 +61,21 @@ def check(out, q, k, v, qsl, seq, table, chunk):
     return err
 
 
-def run_eager(backend, q, k, v, qsl, seq, table, **kw):
+def own_kv(md, k_cache, v_cache, qsl, seq, table) -> dict:
+    """``k=``, ``v=`` for a step whose metadata reads its own keys from them (the ragged
+    path, CHUNKLOCAL_RAGGED_OWN_KEYS=1): the rows the step wrote; nothing otherwise."""
+    if not any(isinstance(w, fi_backend.OwnKeys) for w in md.wrappers.values()):
+        return {}
+    rows = own_rows(qsl, seq, table)
+    return dict(k=k_cache.view(-1, HKV, D)[rows], v=v_cache.view(-1, HKV, D)[rows])
+
+
+def run_eager(backend, q, k_cache, v_cache, qsl, seq, table, **kw):
     md = backend.build(qsl, seq, table)
+    if "k" not in kw:
+        kw |= own_kv(md, k_cache, v_cache, qsl, seq, table)
     out = torch.full_like(q, NAN)
-    backend.forward(md, q, k, v, SCALE, out=out, **kw)
+    backend.forward(md, q, k_cache, v_cache, SCALE, out=out, **kw)
     return out
 
 
@@ -263,11 +275,12 @@ def test_merged_group_global_and_chunked_layers():
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     q = queries(int(qsl[-1]), 9)
     md = backend.build(qsl, seq, table)  # one build serves both layer kinds
+    own = own_kv(md, k, v, qsl, seq, table)
     with pytest.raises(ValueError, match="pass kind=Kind.CHUNKED or kind=Kind.GLOBAL"):
-        backend.forward(md, q, k, v, SCALE)
+        backend.forward(md, q, k, v, SCALE, **own)
     for kind in Kind:
         out = torch.full_like(q, NAN)
-        backend.forward(md, q, k, v, SCALE, kind=kind, out=out)
+        backend.forward(md, q, k, v, SCALE, kind=kind, out=out, **own)
         check(out, q, k, v, qsl, seq, table, chunk if kind is Kind.CHUNKED else None)
     # Decode under a graph, both kinds from one graph build.
     dec_seq = rng.integers(1, model_len + 1, n)

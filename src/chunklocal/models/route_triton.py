@@ -78,8 +78,10 @@ COMBINE_BLOCK = 1024  # hidden elements per combine program
 #: by the router and the last to finish (a ticket, as moe_triton's in-kernel sum) adds the
 #: slices in slice order, rounds the logits to the activations' dtype and routes and sorts
 #: as :func:`route_pairs`.  The sum's order is not cuBLAS's, so a logit may differ in its
-#: last place and a near-tie route the other way.  Off until an A/B measures it.
-ROUTER_IN_KERNEL = os.environ.get("CHUNKLOCAL_MOE_ROUTER_IN_KERNEL", "0") == "1"
+#: last place and a near-tie route the other way.  On by default since the 28th session
+#: (full-size Scout FP8 batch-1 replay 0.975x of PDL + partial sums on the H200, 27th; the
+#: engine's token tests pass with it, H100, 28th); ``=0`` turns it off.
+ROUTER_IN_KERNEL = os.environ.get("CHUNKLOCAL_MOE_ROUTER_IN_KERNEL", "1") == "1"
 ROUTER_BLOCK_K = 128  # hidden elements per program (Scout: 40 programs)
 
 

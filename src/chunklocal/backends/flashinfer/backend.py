@@ -86,9 +86,12 @@ GRAPH_REPLAN = os.environ.get("CHUNKLOCAL_GRAPH_REPLAN", "0") == "1"
 #: (``benchmarks.prefill_ragged``, 27th session): 76.4% of the matmul rate on a
 #: 36,000-token prompt against 44.9% for the paged FA2 default, but 1.03x slower than
 #: paged FA3 for 8 x 8192 behind prefixes (the merge).  16-bit caches only (an FP8 cache
-#: holds the keys rounded; the step's own would not be).  Off until the engine's GPU tests
-#: and a prefill A/B run with it.
-RAGGED_OWN_KEYS = os.environ.get("CHUNKLOCAL_RAGGED_OWN_KEYS", "0") == "1"
+#: holds the keys rounded; the step's own would not be).  On by default since the 28th
+#: session: on an H100, 12 of Scout FP8's layers, the prefill step's attention went from 39%
+#: to 82% of the matmul rate and the 8k prompt from 46% to 62% of its FLOP floor
+#: (``benchmarks.prefill_profile``, BENCHMARKS.md), with the kernel and engine GPU tests
+#: passing; ``CHUNKLOCAL_RAGGED_OWN_KEYS=0`` turns it off.
+RAGGED_OWN_KEYS = os.environ.get("CHUNKLOCAL_RAGGED_OWN_KEYS", "1") == "1"
 RAGGED_KERNEL = "auto"
 _workspaces: dict[torch.device, torch.Tensor] = {}
 _NO_INDICES = torch.zeros(0, dtype=torch.int32)
