@@ -345,15 +345,20 @@ def make_llm_with_kv(path, device, max_num_seqs, max_model_len, fraction=0.8,
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+    last: Exception | None = None
     for pages in (target, None):
         try:
             return make_llm(path, device, max_num_seqs, max_model_len, pages, kv_cache_dtype)
         except (ValueError, torch.OutOfMemoryError) as err:
-            print(f"{pages} KV pages failed ({type(err).__name__}); trying the default",
-                  flush=True)
+            print(f"{pages} KV pages failed ({type(err).__name__}: {err})", flush=True)
+            last = err
             gc.collect()
             torch.cuda.empty_cache()
-    raise AssertionError("unreachable: the default size loaded a moment ago")
+    # The default size loaded before the first engine shut down; the H100 (28th session)
+    # refused it the second time at batch 16 / 1M and 64 / 131k: say why, not "unreachable"
+    raise RuntimeError(f"no KV pool loaded for batch {max_num_seqs} at max_model_len "
+                       f"{max_model_len}, the default included (it loaded once before "
+                       "the first engine's memory was returned)") from last
 
 
 def run_model(model, path, args, rates, device, rows, prefill, errors, save) -> None:
