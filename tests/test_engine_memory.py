@@ -366,3 +366,42 @@ def test_tensor_parallel_ranks_each_profile_their_own_device(path, fake, monkeyp
         assert [g.num_blocks for g in llm.groups] == [g.pages for g in want.groups]
         assert fake.events == []  # the caller's process measured nothing: the ranks did
         assert len(llm.generate([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)[0]) == 4
+
+
+@pytest.mark.parametrize("count, tokens, max_model_len", [
+    (7, 100, 1024), (1, 64, 1024), (32, 32, 1024), (3, 48, 16)])
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_the_profiled_step_reads_earlier_keys_in_its_rows(count, tokens, max_model_len, chunk):
+    """The profile step sends nearly every row down the backends' earlier-keys path (the
+    ragged own-keys split's paged part and merge), whose buffers a step of fresh prompts
+    never allocates: one computed token ahead of each request that fits max_model_len,
+    inside profile_run's page count (the pool is exactly that size; two pages short fails)."""
+    import numpy as np
+    import torch
+
+    from chunklocal.backends.flashinfer.ragged import ragged_split
+    from chunklocal.engine.block_manager import KVGroup
+    from chunklocal.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec
+
+    bs = 16
+    spec = (FullAttentionSpec(bs, 1, 8, torch.float32) if chunk is None
+            else ChunkedLocalAttentionSpec(bs, 1, 8, torch.float32, chunk * bs))
+    pages = count + -(-tokens // bs) + 1  # profile_run's
+    batch, _ = runner_setup.profile_batch(count, tokens, bs, 500, [KVGroup(spec, pages)],
+                                          max_model_len)
+    assert sum(batch.num_new) == tokens and len(batch.seqs) == count
+    fits = [n < max_model_len for n in batch.num_new]
+    assert [s.num_computed for s in batch.seqs] == [int(f) for f in fits]
+    assert all(len(s.token_ids) == s.num_computed + n <= max_model_len
+               for s, n in zip(batch.seqs, batch.num_new, strict=True))
+    qsl = np.concatenate([[0], np.cumsum(batch.num_new)])
+    seq_lens = np.array([s.num_computed + n for s, n in zip(batch.seqs, batch.num_new,
+                                                              strict=True)])
+    width = max(len(s.block_tables[0]) for s in batch.seqs)
+    table = np.array([s.block_tables[0] + [0] * (width - len(s.block_tables[0]))
+                      for s in batch.seqs], np.int32)
+    split = ragged_split(qsl, seq_lens, table, chunk and chunk * bs, bs)
+    # rows of a request's first chunk see its computed token; later chunks' rows do not
+    want = sum(min(n, (chunk * bs - 1) if chunk else n) for n, f in zip(
+        batch.num_new, fits, strict=True) if f)
+    assert split.paged_rows.size == want > 0 or not any(fits)

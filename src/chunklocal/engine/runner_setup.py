@@ -80,19 +80,31 @@ def build_runner(setup: RunnerSetup, model, device, block_manager=None,
 
 
 def profile_batch(num_requests: int, tokens: int, block_size: int, vocab_size: int,
-                  groups: list[KVGroup]) -> tuple[ScheduledBatch, BlockManager]:
-    """``tokens`` prompt tokens over ``num_requests`` fresh requests (as even as can be),
-    one step, with a block manager of ``groups`` (each large enough) holding their pages."""
+                  groups: list[KVGroup], max_model_len: int | None = None
+                  ) -> tuple[ScheduledBatch, BlockManager]:
+    """``tokens`` prompt tokens over ``num_requests`` requests (as even as can be), one
+    step, with a block manager of ``groups`` (each large enough) holding their pages.
+
+    Each request whose length leaves room under ``max_model_len`` (None: every one) has one
+    more prompt token already computed, so its rows also read an earlier key: the
+    attention backends' earlier-keys path (the ragged own-keys split's paged part and the
+    log-sum-exp merge, backends/flashinfer/ragged.py) allocates for nearly every row in
+    this step, as in a long prompt's later chunks, and the profile counts it.  Its KV is
+    whatever the page holds: the profile reads the memory, not the values.  Pages: a
+    request of n + 1 positions needs floor(n / block_size) + 1 <= n / block_size + 1 of
+    them, so all fit in cdiv(tokens, block_size) + num_requests (profile_run's count)."""
     lens = [tokens // num_requests + (i < tokens % num_requests) for i in range(num_requests)]
-    manager = BlockManager(groups, num_requests, cdiv(max(lens), block_size) + 1)
+    manager = BlockManager(groups, num_requests, cdiv(max(lens) + 1, block_size))
     batch, row = ScheduledBatch(), sampling_row(SamplingParams(temperature=0.0))
     start = 0
     for i, n in enumerate(lens):
+        earlier = int(max_model_len is None or n < max_model_len)
         # Varied ids: the MoE routes them over many experts, as real prompts are.
-        seq = Sequence(i, [(7919 * (start + j)) % vocab_size for j in range(n)],
+        seq = Sequence(i, [(7919 * (start + j)) % vocab_size for j in range(n + earlier)],
                        SamplingParams(max_tokens=1, temperature=0.0), len(groups))
         seq.sampling_row = row
-        manager.allocate(seq, n)
+        manager.allocate(seq, n + earlier)
+        seq.num_computed = earlier
         batch.add(seq, n)
         start += n
     return batch, manager
@@ -106,13 +118,15 @@ def profile_run(setup: RunnerSetup, model, device, memory: DeviceMemory,
 
     The largest step is vLLM's profile shape: ``max_num_batched_tokens`` tokens (no more
     than ``max_num_seqs`` whole requests hold) over ``max_num_seqs`` prompts (fewer when
-    there are fewer tokens), each no longer than ``max_model_len``, every one sampled."""
+    there are fewer tokens), each no longer than ``max_model_len``, every one sampled;
+    and each prompt past one computed token where it fits (:func:`profile_batch`)."""
     lim = setup.limits
     tokens = min(lim.max_num_batched_tokens, lim.max_num_seqs * lim.max_model_len)
     count = max(min(lim.max_num_seqs, tokens), cdiv(tokens, lim.max_model_len))
     pages = count + cdiv(tokens, lim.block_size) + 1  # any split of the tokens fits
     batch, manager = profile_batch(count, tokens, lim.block_size, vocab_size,
-                                   [KVGroup(spec, pages) for spec, _ in setup.groups])
+                                   [KVGroup(spec, pages) for spec, _ in setup.groups],
+                                   lim.max_model_len)
     made: list[ModelRunner] = []
 
     def first_step():
