@@ -8,8 +8,9 @@
 #   bash benchmarks/device_calls.sh replan   # decode graphs re-planned each step (GRAPH_REPLAN):
 #                                            # the batch-1 A/B at a 131k limit, graph and token tests
 #   bash benchmarks/device_calls.sh combo    # ab2 + replan in one call (router and re-plan on together)
-#   bash benchmarks/device_calls.sh ownkeys  # the step's own keys ragged (RAGGED_OWN_KEYS): GPU tests,
-#                                            # full-size prefill at 8k/32k off and on
+#   bash benchmarks/device_calls.sh ownkeys  # the step's own keys ragged (RAGGED_OWN_KEYS, and the
+#                                            # earlier keys gathered, RAGGED_EARLIER): GPU tests,
+#                                            # full-size prefill at 8k/32k off / on / gathered
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
 #   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
@@ -99,14 +100,20 @@ case ${1:-ab} in
     ( export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 CHUNKLOCAL_GRAPH_REPLAN=1
       pt 320 tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_triton_gpu.py \
         tests/gpu/test_flashinfer.py -k "gemv or oracle or tokens or graph" ) ;;
-  ownkeys)  # issue 20 item 4 in the engine: the GPU tests with it on, then the prefill A/B
+  ownkeys)  # issue 20 item 4 in the engine: the GPU tests (own keys on by default since the
+    # 28th session; the gathered earlier keys, RAGGED_EARLIER, too), then the prefill A/B:
+    # own keys off, on (paged earlier keys), on with the earlier keys gathered
     pmodel=""; [ "$big" = 1 ] || pmodel="--models scout-fp8-12"
-    ( export CHUNKLOCAL_RAGGED_OWN_KEYS=1
-      pt 240 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits" )
-    for on in 0 1; do
-      ( export CHUNKLOCAL_RAGGED_OWN_KEYS=$on
-        bench 150 "prefill_own$on" benchmarks.prefill_profile --prompts 8192 32768 $pmodel \
-          --profile-steps 1 --out "$OUT/prefill_own$on" )
+    pt 200 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits"
+    for variant in own0 own1 gathered; do
+      left=$(( 545 - $(date +%s) + t0 ))
+      if [ "$left" -lt 60 ]; then say "no time for $variant"; continue; fi
+      ( case $variant in own0) export CHUNKLOCAL_RAGGED_OWN_KEYS=0 ;;
+                         own1) export CHUNKLOCAL_RAGGED_OWN_KEYS=1 CHUNKLOCAL_RAGGED_EARLIER=0 ;;
+                         gathered) export CHUNKLOCAL_RAGGED_OWN_KEYS=1 CHUNKLOCAL_RAGGED_EARLIER=1 ;; esac
+        # shellcheck disable=SC2086
+        bench $(( left < 150 ? left : 150 )) "prefill_$variant" benchmarks.prefill_profile \
+          --prompts 8192 32768 $pmodel --profile-steps 1 --out "$OUT/prefill_$variant" )
     done ;;
   tpot)  # issue 19's target, the async-scheduled batch-1 step: the defaults, the in-kernel
     # router, the 16-bit GEMV (q/k/v, o_proj and the LM head, which runs outside the graph),

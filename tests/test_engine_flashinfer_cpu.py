@@ -163,16 +163,34 @@ def test_prefix_cache_hits_through_the_flashinfer_path_with_graphs(ckpt, tp):
         assert llm.runner.graph_steps > 0
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["paged-earlier", "gathered"])
 @pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "merged"])
-def test_own_keys_ragged_path_equals_the_torch_backend(ckpt, hybrid, monkeypatch):
+def test_own_keys_ragged_path_equals_the_torch_backend(ckpt, hybrid, gathered, monkeypatch):
     """``RAGGED_OWN_KEYS``: prefill and mixed steps read their own keys from the step's K/V
     and earlier keys from the cache (prompts prefilled over several 24-token steps, across
     chunk (16) and page boundaries; prefix-cache hits that stop inside a chunk): the tokens
-    equal the torch backend's, and steps with earlier keys merged them."""
+    equal the torch backend's, and steps with earlier keys merged them.  ``gathered``
+    (``RAGGED_EARLIER``): segments of 2+ queries read their earlier keys copied from the
+    pages in blocks of at most 24 keys (one ``max_num_batched_tokens``), so a 70-token
+    prompt's last global step runs several blocks and merges a row more than once."""
     from chunklocal.backends.flashinfer import backend as fi_backend
+    from chunklocal.bounds import sizing
     from chunklocal.engine.sampling import SamplingParams
 
     monkeypatch.setattr(fi_backend, "RAGGED_OWN_KEYS", True)
+    monkeypatch.setattr(fi_backend, "RAGGED_EARLIER", gathered)
+    monkeypatch.setattr(fi_backend, "GATHER_MIN_ROWS", 2)
+    monkeypatch.setattr(sizing, "GATHER_KEYS_PER_TOKEN", 1)
+    from chunklocal.backends.flashinfer import own_keys
+
+    blocks: list[int] = []
+    real_plan_block = own_keys.plan_block
+
+    def counting_block(backend, state, parity, index, block, host):
+        blocks.append(index)
+        return real_plan_block(backend, state, parity, index, block, host)
+
+    monkeypatch.setattr(own_keys, "plan_block", counting_block)
     merges = []
     real_merge = flashinfer_standin.standin_core.merge_state
 
@@ -195,6 +213,7 @@ def test_own_keys_ragged_path_equals_the_torch_backend(ckpt, hybrid, monkeypatch
         assert [o.outputs[0].token_ids for o in got] == want
         assert any(o.num_cached_tokens for o in got[1:])
     assert merges and max(merges) > 1  # steps with earlier keys merged them
+    assert (max(blocks, default=-1) >= 1) == gathered  # a step of two blocks or more
 
 
 def test_flashinfer_on_the_cpu_is_refused_without_the_widened_devices(ckpt):
@@ -268,10 +287,9 @@ def test_piecewise_bucket_choice_and_a_step_past_the_largest(ckpt, monkeypatch):
         pw.run(torch.zeros(49, dtype=torch.long), np.zeros(49, dtype=np.int64), {})
 
 
-@pytest.mark.parametrize("own_keys", [False, True], ids=["paged", "own-keys"])
+@pytest.mark.parametrize("path", ["paged", "own-keys", "gathered"])
 @pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
-def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_only,
-                                                                         own_keys,
+def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_only, path,
                                                                          monkeypatch):
     """With async scheduling the engine plans step n+1 while step n is still queued
     (engine/overlap.py), so an eager build must not re-plan the wrapper step n runs: the
@@ -283,11 +301,16 @@ def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_
     from chunklocal.backends.flashinfer import backend as fi_backend
     from chunklocal.kv_spec import FullAttentionSpec
 
+    own_keys = path != "paged"
     monkeypatch.setattr(fi_backend, "RAGGED_OWN_KEYS", own_keys)
+    # gathered: the earlier keys of segments of 2+ rows copied in blocks of 5 keys
+    monkeypatch.setattr(fi_backend, "RAGGED_EARLIER", path == "gathered")
+    monkeypatch.setattr(fi_backend, "GATHER_MIN_ROWS", 2)
 
     spec = FullAttentionSpec(4, 2, 16, torch.float32, attention_chunk_size=8)
     backend = FlashInferBackend(spec, EngineLimits(4, 64, 64, 4), 4, 2, 16, torch.float32,
                                 "cpu")
+    backend.gather.keys = 5
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = (torch.randn(40, 4, 2, 16, generator=gen) for _ in range(2))
     table = np.arange(40, dtype=np.int32).reshape(4, 10)
@@ -307,6 +330,9 @@ def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_
             for kind in (Kind.CHUNKED, Kind.GLOBAL)}
     ragged = own_keys and not decode_only
     assert all(isinstance(first.wrappers[k], fi_backend.OwnKeys) == ragged for k in want)
+    if ragged:
+        blocks = [len(first.wrappers[k].blocks) for k in want]
+        assert (max(blocks) > 1) == (path == "gathered"), blocks
 
     def wrapper(md, kind):
         return md.wrappers[kind].ragged if ragged else md.wrappers[kind]
@@ -318,6 +344,46 @@ def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_
                                            **own), out)
     third, _ = step(lens, [10, 21, 15])
     assert all(wrapper(third, k) is wrapper(first, k) for k in want)
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["paged-earlier", "gathered"])
+def test_own_keys_backend_equals_the_float64_reference(gathered, monkeypatch):
+    """The ragged path of one eager mixed step, both kinds of a merged group, against
+    ``reference_attention`` in float64: own keys causal, earlier keys paged or (gathered)
+    copied in blocks of 5 keys for segments of 2+ rows, so one segment's earlier keys span
+    several blocks, each merged over the last (its log-sum-exp carried)."""
+    from chunklocal.backends.base import EngineLimits, Kind
+    from chunklocal.backends.flashinfer import FlashInferBackend
+    from chunklocal.backends.flashinfer import backend as fi_backend
+    from chunklocal.kv_spec import FullAttentionSpec
+    from chunklocal.reference import reference_attention
+
+    monkeypatch.setattr(fi_backend, "RAGGED_OWN_KEYS", True)
+    monkeypatch.setattr(fi_backend, "RAGGED_EARLIER", gathered)
+    monkeypatch.setattr(fi_backend, "GATHER_MIN_ROWS", 2)
+    spec = FullAttentionSpec(4, 2, 16, torch.float32, attention_chunk_size=8)
+    backend = FlashInferBackend(spec, EngineLimits(4, 64, 64, 4), 4, 2, 16, torch.float32,
+                                "cpu")
+    backend.gather.keys = 5
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(40, 4, 2, 16, generator=gen) for _ in range(2))
+    table = np.random.default_rng(3).permutation(40).astype(np.int32).reshape(4, 10)
+    q_lens, seq = np.array([1, 5, 3, 9]), np.array([9, 20, 14, 30])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    md = backend.build(qsl, seq, table)
+    q = torch.randn(int(qsl[-1]), 4, 16, generator=gen)
+    # the step's own K/V: what the layer wrote at its positions
+    req = np.repeat(np.arange(4), q_lens)
+    pos = (seq - q_lens)[req] + np.arange(int(qsl[-1])) - qsl[:-1][req]
+    slot = torch.from_numpy(table[req, pos // 4].astype(np.int64) * 4 + pos % 4)
+    own = {"k": k_cache.view(-1, 2, 16)[slot], "v": v_cache.view(-1, 2, 16)[slot]}
+    for kind, chunk in ((Kind.CHUNKED, 8), (Kind.GLOBAL, None)):
+        blocks = md.wrappers[kind].blocks
+        assert (len(blocks) > 1) == gathered, (kind, len(blocks))
+        got = backend.forward(md, q, k_cache, v_cache, 0.25, kind=kind, **own)
+        want = reference_attention(q.double(), k_cache.double(), v_cache.double(), qsl, seq,
+                                   table, chunk_size=chunk, scale=0.25)
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
 def test_decode_graphs_replan_each_step_for_its_own_lengths(monkeypatch):

@@ -1,5 +1,6 @@
-"""backends/flashinfer/ragged.py: the global layers' split and the pinned staging.  The
-chunked split is checked against its definition in tests/test_prefill_benchmarks.py."""
+"""backends/flashinfer/ragged.py: the global layers' split, the gathered blocks of earlier
+keys and the pinned staging.  The chunked split is checked against its definition in
+tests/test_prefill_benchmarks.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import prefill_common as pc
-from chunklocal.backends.flashinfer.ragged import PinnedArrays, ragged_split
+from chunklocal.backends.flashinfer.ragged import PinnedArrays, ragged_split, split_earlier
 
 BS = 16
 
@@ -33,6 +34,50 @@ def test_a_global_layers_split_is_the_chunked_split_with_one_chunk(seed, chunk):
     earlier = b.seq_lens - np.diff(b.query_start_loc)
     row_req = np.repeat(np.arange(earlier.shape[0]), np.diff(b.query_start_loc))
     np.testing.assert_array_equal(got.paged_rows, np.flatnonzero(earlier[row_req] > 0))
+
+
+def _pairs_of_paged(rows, p) -> list[tuple[int, int]]:
+    """(step row, cache row) of every earlier key a paged part reads, by its definition."""
+    out = []
+    for j in range(p.qo_indptr.shape[0] - 1):
+        pages = p.kv_indices[p.kv_indptr[j]:p.kv_indptr[j + 1]]
+        keys = (len(pages) - 1) * BS + int(p.last_page_len[j]) if len(pages) else 0
+        cache = [int(pages[i // BS]) * BS + i % BS for i in range(keys)]
+        out += [(int(r), c) for r in rows[p.qo_indptr[j]:p.qo_indptr[j + 1]] for c in cache]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), chunk=st.sampled_from([None, 32, 256]),
+       min_rows=st.integers(1, 40), max_keys=st.integers(1, 600))
+def test_gathered_blocks_and_paged_part_read_each_earlier_key_once(seed, chunk, min_rows,
+                                                                   max_keys):
+    """split_earlier: the (row, key) pairs of the paged part and of every gathered block
+    are exactly the split's earlier-key pairs, each once; segments of fewer than min_rows
+    queries stay paged, the others are gathered; a block holds at most max_keys keys and a
+    segment at most one piece of it, and its rows are its segments' rows in order."""
+    rng = np.random.default_rng(seed)
+    b = pc.random_batch(rng, chunk or 64, 16 * 5 * (chunk or 64) // BS + 2, max_tokens=300)
+    split = ragged_split(b.query_start_loc, b.seq_lens, b.block_table, chunk, BS)
+    parts = split_earlier(split, BS, min_rows, max_keys)
+    want = sorted(_pairs_of_paged(split.paged_rows, split.paged))
+    got = _pairs_of_paged(parts.paged_rows, parts.paged)
+    q_paged = np.diff(parts.paged.qo_indptr)
+    assert (q_paged < min_rows).all()
+    for block in parts.blocks:
+        q_lens, k_lens = np.diff(block.qo_indptr), np.diff(block.kv_indptr)
+        assert 0 < block.cache_rows.shape[0] <= max_keys and (q_lens >= min_rows).all()
+        assert (k_lens > 0).all() and block.rows.shape[0] == block.qo_indptr[-1]
+        for j in range(q_lens.shape[0]):
+            keys = block.cache_rows[block.kv_indptr[j]:block.kv_indptr[j + 1]].tolist()
+            got += [(int(r), c) for r in block.rows[block.qo_indptr[j]:block.qo_indptr[j + 1]]
+                    for c in keys]
+    assert sorted(got) == want
+    gathered_rows = {int(r) for block in parts.blocks for r in block.rows}
+    assert gathered_rows.isdisjoint(parts.paged_rows.tolist())
+    big = np.diff(split.paged.qo_indptr) >= min_rows
+    total = sum(int(b_.cache_rows.shape[0]) for b_ in parts.blocks)
+    assert len(parts.blocks) == -(-total // max_keys) and (total > 0) == bool(big.any())
 
 
 def test_pinned_arrays_keep_one_buffer_an_array_and_grow_it():

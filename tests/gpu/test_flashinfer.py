@@ -134,18 +134,24 @@ def own_rows(qsl, seq, table):
     return torch.from_numpy(table[req, pos // BS].astype(np.int64) * BS + pos % BS).cuda()
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["paged-earlier", "gathered"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("chunk", [None, 256])
-def test_own_keys_ragged_path(seed, chunk, monkeypatch):
+def test_own_keys_ragged_path(seed, chunk, gathered, monkeypatch):
     """``RAGGED_OWN_KEYS``: mixed batches with the step's own keys from its K/V (ragged,
-    FA3 on sm_90), the earlier ones paged, merged by LSE, against the reference."""
+    FA3 on sm_90), the earlier ones paged, merged by LSE, against the reference.
+    ``gathered`` (``RAGGED_EARLIER``): segments of 64+ rows read their earlier keys copied
+    from the pages in blocks of at most 700 keys (several a long segment), ragged too."""
     from chunklocal.backends.flashinfer import backend as fi_backend
 
     monkeypatch.setattr(fi_backend, "RAGGED_OWN_KEYS", True)
+    monkeypatch.setattr(fi_backend, "RAGGED_EARLIER", gathered)
+    monkeypatch.setattr(fi_backend, "GATHER_MIN_ROWS", 64)
     rng = np.random.default_rng(seed)
     n, model_len = 8, 2048
     backend = FlashInferBackend(spec(chunk), EngineLimits(n, 4096, model_len, BS), HQ, HKV,
                                 D, DT, "cuda")
+    backend.gather.keys = 700
     q_lens = np.where(rng.random(n) < 0.3, 1, rng.integers(2, 500, n))
     context = rng.integers(0, model_len - q_lens + 1)
     context[0] = 0  # one request with no earlier keys
@@ -158,6 +164,8 @@ def test_own_keys_ragged_path(seed, chunk, monkeypatch):
     rows = own_rows(qsl, seq, table)
     md = backend.build(qsl, seq, table)
     assert all(isinstance(w, fi_backend.OwnKeys) for w in md.wrappers.values())
+    if gathered and chunk is None:  # a long global segment's keys span blocks
+        assert max(len(w.blocks) for w in md.wrappers.values()) > 1
     out = run_eager(backend, q, k, v, qsl, seq, table,
                     k=k.view(-1, HKV, D)[rows], v=v.view(-1, HKV, D)[rows])
     check(out, q, k, v, qsl, seq, table, chunk)

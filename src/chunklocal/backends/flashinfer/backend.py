@@ -53,8 +53,18 @@ import torch
 from chunklocal._validate import as_bool, cdiv, raise_first
 from chunklocal.backends.base import EngineLimits, Kind, pick_kind
 from chunklocal.backends.flashinfer.buffers import MetadataBuffers, write_step
-from chunklocal.backends.flashinfer.ragged import PinnedArrays, ragged_split
-from chunklocal.bounds.sizing import backend_capacities, slot_page_limits
+from chunklocal.backends.flashinfer.own_keys import (
+    GatherBuffers,
+    OwnKeys,
+    plan_own_keys,
+    run_own_keys,
+)
+from chunklocal.backends.flashinfer.ragged import PinnedArrays
+from chunklocal.bounds.sizing import (
+    backend_capacities,
+    gathered_key_capacity,
+    slot_page_limits,
+)
 from chunklocal.kv_quant import is_fp8
 from chunklocal.kv_spec import FullAttentionSpec, chunk_size_of, softmax_scale
 from chunklocal.virtual_batches import validate_batch
@@ -92,6 +102,19 @@ GRAPH_REPLAN = os.environ.get("CHUNKLOCAL_GRAPH_REPLAN", "0") == "1"
 #: (``benchmarks.prefill_profile``, BENCHMARKS.md), with the kernel and engine GPU tests
 #: passing; ``CHUNKLOCAL_RAGGED_OWN_KEYS=0`` turns it off.
 RAGGED_OWN_KEYS = os.environ.get("CHUNKLOCAL_RAGGED_OWN_KEYS", "1") == "1"
+#: With :data:`RAGGED_OWN_KEYS`, the earlier keys of segments of at least
+#: :data:`GATHER_MIN_ROWS` queries are copied from the pages into a contiguous buffer in
+#: blocks and read by the ragged kernel too (:func:`.ragged.split_earlier`;
+#: ``CHUNKLOCAL_RAGGED_EARLIER=1``).  Why: those keys are most of a long prompt's later
+#: steps on global layers (a 1M-token prompt's: all but 8k of 1M), and the paged kernel
+#: that reads them now (FA2) ran at about 45% of the matmul rate where the ragged FA3
+#: kernel ran at 76-82% (27th and 28th sessions); the copy is one read and write of K and V,
+#: small beside 2 x 128+ rows of FLOPs per key.  Off until a GPU test and prefill A/B.
+RAGGED_EARLIER = os.environ.get("CHUNKLOCAL_RAGGED_EARLIER", "0") == "1"
+#: Queries a segment needs for its earlier keys to be gathered: one FA3 tile of rows.
+#: Shorter segments (decodes in a mixed step) read each key once either way, and the copy
+#: would double that traffic.
+GATHER_MIN_ROWS = 128
 RAGGED_KERNEL = "auto"
 _workspaces: dict[torch.device, torch.Tensor] = {}
 _NO_INDICES = torch.zeros(0, dtype=torch.int32)
@@ -110,14 +133,6 @@ class EagerMetadata:
 
     def __init__(self, wrappers: dict, num_tokens: int):
         self.wrappers, self.num_tokens = wrappers, num_tokens
-
-
-class OwnKeys:
-    """A kind's eager step on the ragged path: the ragged wrapper (the step's own keys),
-    and the paged one with the rows that also read earlier keys (None where none do)."""
-
-    def __init__(self, ragged, earlier, rows: torch.Tensor | None):
-        self.ragged, self.earlier, self.rows = ragged, earlier, rows
 
 
 class GraphMetadata:
@@ -158,6 +173,7 @@ class _KindState:
         self.decode = tuple(flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             ws, "NHD", use_tensor_cores=True) for _ in range(2))
         self._own_keys: list | None = None  # RAGGED_OWN_KEYS' wrappers, made at first use
+        self._blocks: tuple[list, list] = ([], [])  # RAGGED_EARLIER's, per parity, grown
         self._backend_name = backend.prefill_backend
         #: GRAPH_REPLAN's two host staging buffers (made at the first re-plan) and the next.
         self.replan_staging: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -179,6 +195,16 @@ class _KindState:
                  PinnedArrays(pin))
                 for _ in range(2)]
         return self._own_keys[parity]
+
+    def block_wrapper(self, parity: int, index: int):
+        """Ragged wrapper of gathered block ``index`` of eager step ``parity``."""
+        import flashinfer
+
+        made = self._blocks[parity]
+        while len(made) <= index:
+            made.append(flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                _workspace(self.buffers.device), "NHD", backend=RAGGED_KERNEL))
+        return made[index]
 
     def staging(self, wrapper) -> torch.Tensor:
         """The host staging buffer this re-plan of a graph ``wrapper`` writes (alternating)."""
@@ -240,6 +266,12 @@ class FlashInferBackend:
         self._graphs = {(b, q): self._make_graph(b, q)
                         for b in self.graph_batch_sizes for q in self.graph_query_lens}
         self._eager_parity = 0  # which of each kind's two eager wrappers the next step plans
+        #: RAGGED_EARLIER's K and V blocks (bounds/sizing.gathered_key_capacity), made here
+        #: when the path is on so the memory profile's step counts them.
+        self.gather = GatherBuffers(gathered_key_capacity(limits), num_kv_heads, head_dim,
+                                    dtype, self.device)
+        if RAGGED_OWN_KEYS and RAGGED_EARLIER and not is_fp8(spec.dtype):
+            self.gather.get()
         #: Eager steps may be launched before the previous one is collected (two wrappers
         #: per kind, see _KindState); ``CHUNKLOCAL_OVERLAP_EAGER=0`` makes the engine
         #: collect each eager step first.
@@ -307,7 +339,9 @@ class FlashInferBackend:
         own_keys = RAGGED_OWN_KEYS and not decode_only and not is_fp8(self.spec.dtype)
         for kind, state in self._kinds.items():
             if own_keys:
-                wrappers[kind] = self._plan_own_keys(state, parity, qsl, seq_lens, block_table)
+                wrappers[kind] = plan_own_keys(
+                    self, state, parity, qsl, seq_lens, block_table,
+                    (self.gather.keys, GATHER_MIN_ROWS) if RAGGED_EARLIER else None)
                 continue
             step = write_step(state.buffers, qsl, seq_lens, block_table, query_lens,
                               state.chunk_size)
@@ -328,26 +362,6 @@ class FlashInferBackend:
             wrappers[kind] = wrapper
             state.buffers.mark_consumed(step)
         return EagerMetadata(wrappers, int(qsl[-1]) if qsl.size else 0)
-
-    def _plan_own_keys(self, state: _KindState, parity: int, qsl, seq_lens,
-                       block_table) -> OwnKeys | None:
-        """Plan one kind's eager step on the ragged path (:data:`RAGGED_OWN_KEYS`)."""
-        split = ragged_split(qsl, seq_lens, block_table, state.chunk_size, self.block_size)
-        if split.num_batches == 0 or split.qo_indptr[-1] == 0:
-            return None
-        ragged, earlier, host = state.own_keys(parity)
-        heads = (self.num_q_heads, self.num_kv_heads, self.head_dim)
-        # one buffer per array: a plan's copies from them may still be queued
-        qo = host.put("ragged_qo_indptr", split.qo_indptr)
-        ragged.plan(qo, qo, *heads, causal=True, **self._plan_kwargs())
-        if not split.paged_rows.size:
-            return OwnKeys(ragged, None, None)
-        p = split.paged
-        earlier.plan(*(host.put(f"paged_{name}", getattr(p, name)) for name in (
-            "qo_indptr", "kv_indptr", "kv_indices", "last_page_len")), *heads,
-            self.block_size, causal=False, **self._plan_kwargs())
-        rows = host.put("rows", split.paged_rows).to(self.device, non_blocking=True)
-        return OwnKeys(ragged, earlier, rows)
 
     def _graph(self, batch_size: int, query_len: int) -> GraphMetadata:
         graph = self._graphs.get((batch_size, query_len))
@@ -431,15 +445,8 @@ class FlashInferBackend:
             if k is None or v is None:
                 raise ValueError("this step reads its own keys from k and v (the ragged "
                                  "path, CHUNKLOCAL_RAGGED_OWN_KEYS): pass them")
-            o, lse = wrapper.ragged.run(q, k.contiguous(), v.contiguous(), q_scale=q_scale,
-                                        return_lse=True)
-            if wrapper.rows is not None:
-                rows = wrapper.rows
-                part = wrapper.earlier.run(q.index_select(0, rows), (k_cache, v_cache),
-                                           q_scale=q_scale, return_lse=True)
-                merged, _ = self._merge_state(o.index_select(0, rows),
-                                              lse.index_select(0, rows), *part)
-                o.index_copy_(0, rows, merged)
+            o = run_own_keys(wrapper, q, k, v, k_cache, v_cache, q_scale, self._merge_state,
+                             self.gather)
             return o if out is None else out.copy_(o)
         if isinstance(metadata, GraphMetadata) and metadata.two_slots[kind]:
             b, n = metadata.batch_size, metadata.query_len
@@ -450,3 +457,4 @@ class FlashInferBackend:
             result = torch.where(pick, pair_out[:, 0], pair_out[:, 1]).reshape(q.shape)
             return result if out is None else out.copy_(result)
         return wrapper.run(q, (k_cache, v_cache), q_scale=q_scale, out=out, **fp8)
+

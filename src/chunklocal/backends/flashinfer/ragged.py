@@ -15,6 +15,16 @@ just computed, and the earlier keys ``[chunk_start, a)`` already in the paged ca
 
 Every row sees exactly its chunk's keys up to itself either way: own keys ``[a, row]``
 (causal) and earlier keys ``[chunk_start, a)``, disjoint, together ``[chunk_start, row]``.
+
+:func:`split_earlier` (``CHUNKLOCAL_RAGGED_EARLIER``) moves the earlier keys of long
+segments (at least ``min_rows`` queries: a long prompt's later chunks) off the paged
+kernel too: they are copied from the pages into a contiguous buffer in blocks of at most
+``max_keys`` and read by the ragged kernel, non-causal, each block's result merged by
+log-sum-exp.  Short segments (decodes, short chunks) keep the paged read, where one pass
+over the pages is all the work and a copy would double it.  The blocks cut the long
+segments' keys, laid end to end in segment order, every ``max_keys``: a segment's keys
+fall in consecutive blocks, at most one piece in each, so every earlier key of every row
+is read exactly once, by the paged part or by one block.
 """
 
 from __future__ import annotations
@@ -26,7 +36,8 @@ import torch
 
 from chunklocal.virtual_batches import make_virtual_batches
 
-__all__ = ["PagedKV", "PinnedArrays", "RaggedSplit", "paged_kv_arrays", "ragged_split"]
+__all__ = ["EarlierSplit", "KeyBlock", "PagedKV", "PinnedArrays", "RaggedSplit",
+           "paged_kv_arrays", "ragged_split", "split_earlier"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,79 @@ def ragged_split(query_start_loc, seq_lens, block_table, chunk_size: int | None,
     paged_qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     paged = paged_kv_arrays(paged_qsl, earlier[has], table[has], block_size)
     return RaggedSplit(qsl.astype(np.int32), rows, paged, int(q_lens.shape[0]))
+
+
+@dataclass(frozen=True)
+class KeyBlock:
+    """One block of gathered earlier keys: ``rows`` [R] int64, the step rows of the segments
+    with keys in it (segment order); ``qo_indptr`` [S+1] int32 over ``rows``;
+    ``kv_indptr`` [S+1] int32 over the block's keys; ``cache_rows`` [K] int64, each key's
+    flat cache row (``page * block_size + offset``)."""
+
+    rows: np.ndarray
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    cache_rows: np.ndarray
+
+
+@dataclass(frozen=True)
+class EarlierSplit:
+    """The earlier keys of one kind's step: the short segments' rows on the paged path
+    (``paged_rows`` into the step, ``paged`` their arrays; empty where none) and the long
+    segments' keys in gathered ``blocks``."""
+
+    paged_rows: np.ndarray
+    paged: PagedKV
+    blocks: tuple[KeyBlock, ...]
+
+
+def split_earlier(split: RaggedSplit, block_size: int, min_rows: int,
+                  max_keys: int) -> EarlierSplit:
+    """``split``'s earlier keys divided between the paged path (segments of fewer than
+    ``min_rows`` queries) and gathered blocks of at most ``max_keys`` keys (the rest)."""
+    if min_rows < 1 or max_keys < 1:
+        raise ValueError(f"split_earlier: min_rows and max_keys must be positive, got "
+                         f"{min_rows} and {max_keys}")
+    p = split.paged
+    q_lens = np.diff(p.qo_indptr).astype(np.int64)
+    num_pages = np.diff(p.kv_indptr).astype(np.int64)
+    keys = np.where(num_pages > 0, (num_pages - 1) * block_size + p.last_page_len, 0)
+    big = q_lens >= min_rows
+    seg_of_row = np.repeat(np.arange(q_lens.shape[0]), q_lens)
+    seg_of_page = np.repeat(np.arange(q_lens.shape[0]), num_pages)
+    small = ~big
+    paged = PagedKV(_indptr(q_lens[small]), _indptr(num_pages[small]),
+                    p.kv_indices[small[seg_of_page]], p.last_page_len[small])
+    paged_rows = split.paged_rows[small[seg_of_row]]
+    # The long segments' keys end to end: key g of segment s is its key g - key_start[s].
+    segs = np.flatnonzero(big)
+    key_start = np.concatenate([[0], np.cumsum(keys[segs])])
+    total = int(key_start[-1])
+    if total == 0:
+        return EarlierSplit(paged_rows, paged, ())
+    g = np.arange(total, dtype=np.int64)
+    owner = np.repeat(np.arange(segs.shape[0]), keys[segs])  # index into segs
+    j = g - key_start[owner]
+    page = p.kv_indices[p.kv_indptr[segs[owner]] + j // block_size].astype(np.int64)
+    cache_rows = page * block_size + j % block_size
+    rank_of_row = np.cumsum(big) - 1  # a long segment's index into segs
+    long_rows = big[seg_of_row]
+    row_rank = rank_of_row[seg_of_row[long_rows]]
+    rows_long = split.paged_rows[long_rows]
+    blocks = []
+    for lo in range(0, total, max_keys):  # blocks, not requests: ceil(total / max_keys)
+        hi = min(lo + max_keys, total)
+        first, last = int(owner[lo]), int(owner[hi - 1])
+        touched = np.arange(first, last + 1)
+        piece = np.minimum(key_start[touched + 1], hi) - np.maximum(key_start[touched], lo)
+        pick = (row_rank >= first) & (row_rank <= last)
+        blocks.append(KeyBlock(rows_long[pick], _indptr(q_lens[segs[touched]]),
+                               _indptr(piece), cache_rows[lo:hi]))
+    return EarlierSplit(paged_rows, paged, tuple(blocks))
+
+
+def _indptr(counts) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
 
 
 class PinnedArrays:

@@ -1,0 +1,130 @@
+"""The eager ragged path's plan and run: the step's own keys from its K/V, the earlier keys
+paged or gathered (:mod:`.ragged` splits them; backend.py decides when, per step:
+``RAGGED_OWN_KEYS``, ``RAGGED_EARLIER``).
+
+Per kind and step: the own keys' ragged wrapper (causal), then for the rows that also read
+earlier keys either the paged wrapper (non-causal) or, for long segments, gathered blocks:
+each block's keys copied from the pages into :class:`GatherBuffers` and read by one more
+ragged wrapper (non-causal).  Every part's output is merged into the own keys' by
+log-sum-exp; the paged rows and the gathered rows are disjoint, while a long segment's
+blocks merge one over the other, so the running log-sum-exp is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from chunklocal.backends.flashinfer.ragged import ragged_split, split_earlier
+
+__all__ = ["GatherBuffers", "OwnKeys", "plan_own_keys", "run_own_keys"]
+
+
+class OwnKeys:
+    """A kind's eager step on the ragged path: the ragged wrapper (the step's own keys),
+    the paged one with the rows that also read earlier keys there (None where none do),
+    and the gathered blocks of earlier keys: (ragged wrapper, rows, cache rows, keys)
+    each."""
+
+    def __init__(self, ragged, earlier, rows: torch.Tensor | None, blocks: tuple = ()):
+        self.ragged, self.earlier, self.rows, self.blocks = ragged, earlier, rows, blocks
+
+
+class GatherBuffers:
+    """K and V of ``keys`` rows ``[num_kv_heads, head_dim]`` each
+    (bounds/sizing.gathered_key_capacity), made by the first :meth:`get`: the backend
+    calls it at construction when the gathered path is on, so the memory profile's step
+    counts them.  ``keys`` also caps a block (the split cuts blocks that fit)."""
+
+    def __init__(self, keys: int, num_kv_heads: int, head_dim: int, dtype, device):
+        self.keys, self.shape_tail = keys, (num_kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._kv is None or self._kv[0].shape[0] < self.keys:
+            shape = (self.keys, *self.shape_tail)
+            self._kv = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                        torch.empty(shape, dtype=self.dtype, device=self.device))
+        return self._kv
+
+
+def plan_own_keys(backend, state, parity: int, qsl, seq_lens, block_table,
+                  gather: tuple[int, int] | None) -> OwnKeys | None:
+    """Plan one kind's eager step (``state``: the backend's per-kind state, its wrappers and
+    host staging of eager step ``parity``).  ``gather``: (keys a block holds, rows a
+    segment needs) to gather long segments' earlier keys; None keeps them paged."""
+    split = ragged_split(qsl, seq_lens, block_table, state.chunk_size, backend.block_size)
+    if split.num_batches == 0 or split.qo_indptr[-1] == 0:
+        return None
+    ragged, earlier, host = state.own_keys(parity)
+    heads = (backend.num_q_heads, backend.num_kv_heads, backend.head_dim)
+    kwargs = backend._plan_kwargs()
+    # one buffer per array: a plan's copies from them may still be queued
+    qo = host.put("ragged_qo_indptr", split.qo_indptr)
+    ragged.plan(qo, qo, *heads, causal=True, **kwargs)
+    if not split.paged_rows.size:
+        return OwnKeys(ragged, None, None)
+    paged_rows, p = split.paged_rows, split.paged
+    blocks: tuple[tuple, ...] = ()
+    if gather is not None:
+        parts = split_earlier(split, backend.block_size, gather[1], gather[0])
+        paged_rows, p = parts.paged_rows, parts.paged
+        blocks = tuple(plan_block(backend, state, parity, i, block, host)
+                       for i, block in enumerate(parts.blocks))
+    if not paged_rows.size:
+        return OwnKeys(ragged, None, None, blocks)
+    earlier.plan(*(host.put(f"paged_{name}", getattr(p, name)) for name in (
+        "qo_indptr", "kv_indptr", "kv_indices", "last_page_len")), *heads,
+        backend.block_size, causal=False, **kwargs)
+    rows = host.put("rows", paged_rows).to(backend.device, non_blocking=True)
+    return OwnKeys(ragged, earlier, rows, blocks)
+
+
+def plan_block(backend, state, parity: int, index: int, block, host) -> tuple:
+    """Plan gathered block ``index``: its wrapper, and its rows and cache rows on the
+    device (copied from page-locked staging, one buffer per array and block)."""
+    wrapper = state.block_wrapper(parity, index)
+    wrapper.plan(host.put(f"block{index}_qo", block.qo_indptr),
+                 host.put(f"block{index}_kv", block.kv_indptr), backend.num_q_heads,
+                 backend.num_kv_heads, backend.head_dim, causal=False,
+                 **backend._plan_kwargs())
+    rows, cache_rows = (host.put(f"block{index}_{name}", getattr(block, name)).to(
+        backend.device, non_blocking=True) for name in ("rows", "cache_rows"))
+    return wrapper, rows, cache_rows, int(block.cache_rows.shape[0])
+
+
+def run_own_keys(step: OwnKeys, q, k, v, k_cache, v_cache, q_scale, merge_state: Any,
+                 gather: GatherBuffers) -> torch.Tensor:
+    """Attention of one layer's step on the ragged path: a new ``[tokens, Hq, D]``."""
+    o, lse = step.ragged.run(q, k.contiguous(), v.contiguous(), q_scale=q_scale,
+                             return_lse=True)
+    if step.rows is not None:
+        rows = step.rows
+        part = step.earlier.run(q.index_select(0, rows), (k_cache, v_cache), q_scale=q_scale,
+                                return_lse=True)
+        merged, _ = merge_state(o.index_select(0, rows), lse.index_select(0, rows), *part)
+        o.index_copy_(0, rows, merged)
+    for block in step.blocks:  # rows apart from the paged ones
+        _run_block(block, q, o, lse, k_cache, v_cache, q_scale, merge_state, gather)
+    return o
+
+
+def _run_block(block: tuple, q, o, lse, k_cache, v_cache, q_scale, merge_state,
+               gather: GatherBuffers) -> None:
+    """One gathered block: its keys copied from the pages into the gather buffers (after
+    the last block's kernel read them: one stream), read non-causal by its rows, merged
+    into ``o`` / ``lse`` in place (a long segment's next block merges on top)."""
+    wrapper, rows, cache_rows, num_keys = block
+    buf_k, buf_v = gather.get()
+    tail = gather.shape_tail
+    keys, values = buf_k[:num_keys], buf_v[:num_keys]
+    torch.index_select(k_cache.view(-1, *tail), 0, cache_rows, out=keys)
+    torch.index_select(v_cache.view(-1, *tail), 0, cache_rows, out=values)
+    part = wrapper.run(q.index_select(0, rows), keys, values, q_scale=q_scale,
+                       return_lse=True)
+    merged, merged_lse = merge_state(o.index_select(0, rows), lse.index_select(0, rows),
+                                     *part)
+    o.index_copy_(0, rows, merged)
+    lse.index_copy_(0, rows, merged_lse)
