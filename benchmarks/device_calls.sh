@@ -105,12 +105,14 @@ case ${1:-ab} in
     # own keys off, on (paged earlier keys), on with the earlier keys gathered
     pmodel=""; [ "$big" = 1 ] || pmodel="--models scout-fp8-12"
     pt 200 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits"
-    for variant in own0 own1 gathered; do
+    pt 60 tests/gpu/test_norm_triton_gpu.py -k rope  # the tiled rope kernel (ROPE_TILED)
+    for variant in own0 own1 gathered rope; do
       left=$(( 545 - $(date +%s) + t0 ))
       if [ "$left" -lt 60 ]; then say "no time for $variant"; continue; fi
       ( case $variant in own0) export CHUNKLOCAL_RAGGED_OWN_KEYS=0 ;;
                          own1) export CHUNKLOCAL_RAGGED_OWN_KEYS=1 CHUNKLOCAL_RAGGED_EARLIER=0 ;;
-                         gathered) export CHUNKLOCAL_RAGGED_OWN_KEYS=1 CHUNKLOCAL_RAGGED_EARLIER=1 ;; esac
+                         gathered) export CHUNKLOCAL_RAGGED_OWN_KEYS=1 CHUNKLOCAL_RAGGED_EARLIER=1 ;;
+                         rope) export CHUNKLOCAL_RAGGED_OWN_KEYS=1 CHUNKLOCAL_ROPE_TILED=1 ;; esac
         # shellcheck disable=SC2086
         bench $(( left < 150 ? left : 150 )) "prefill_$variant" benchmarks.prefill_profile \
           --prompts 8192 32768 $pmodel --profile-steps 1 --out "$OUT/prefill_$variant" )

@@ -163,8 +163,13 @@ def test_add_rms_norm_kernel_in_interpreter():
     run_in_interpreter(KERNEL_SCRIPT)
 
 
-def test_rope_qk_norm_kernel_in_interpreter():
-    run_in_interpreter(ROPE_SCRIPT)
+@pytest.mark.parametrize("tiled", [False, True], ids=["one-head", "tiled"])
+def test_rope_qk_norm_kernel_in_interpreter(tiled):
+    """``tiled``: ROPE_TILED with tiles of 4 heads, so the fused q + k launch's 6 heads
+    take a full tile and a masked one, and the split falls inside the second."""
+    prefix = ("from chunklocal.models import norm_triton as _nt\n"
+              "_nt.ROPE_TILED, _nt.ROPE_TILE_HEADS = True, 4\n") if tiled else ""
+    run_in_interpreter(prefix + ROPE_SCRIPT)
 
 
 def test_engine_tokens_unchanged_with_the_kernels_in_interpreter():

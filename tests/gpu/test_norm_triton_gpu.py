@@ -101,9 +101,13 @@ def scout_heads(tokens, seed):
             qkv[:, 40 * 128:48 * 128].view(tokens, 8, 128), freqs, qkv)
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["one-head", "tiled"])
 @pytest.mark.parametrize("tokens", [1, 64, 257])
 @pytest.mark.parametrize("eps", [1e-5, None])
-def test_rope_kernel_gives_torchs_heads(tokens, eps, monkeypatch):
+def test_rope_kernel_gives_torchs_heads(tokens, eps, tiled, monkeypatch):
+    """``tiled``: CHUNKLOCAL_ROPE_TILED (16 heads a program; Scout's 40 query heads take
+    two full tiles and a masked one)."""
+    monkeypatch.setattr(norm_triton, "ROPE_TILED", tiled)
     q, k, freqs, _ = scout_heads(tokens, seed=tokens)
     for x in (q, k):
         monkeypatch.setattr(norm_triton, "NORM_ENABLED", False)
@@ -113,13 +117,15 @@ def test_rope_kernel_gives_torchs_heads(tokens, eps, monkeypatch):
         within_one_bf16_unit(rope_heads(x, freqs, eps), want, pair_magnitude(want))
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["one-head", "tiled"])
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_rope_of_queries_and_keys_in_one_launch(tokens, monkeypatch):
+def test_rope_of_queries_and_keys_in_one_launch(tokens, tiled, monkeypatch):
     """llama4.rope_qk: the fused projection's q and k heads in one launch, the bits of one
-    launch each, eagerly and replayed from a CUDA graph."""
+    launch each, eagerly and replayed from a CUDA graph (tiled: the split inside a tile)."""
     from chunklocal.models.llama4 import rope_qk
 
     monkeypatch.setattr(norm_triton, "NORM_ENABLED", True)
+    monkeypatch.setattr(norm_triton, "ROPE_TILED", tiled)
     q, k, freqs, _ = scout_heads(tokens, seed=5)
     calls, real = [], norm_triton.rope_norm_rows
     monkeypatch.setattr(norm_triton, "rope_norm_rows",

@@ -45,6 +45,14 @@ if triton is not None:
 #: The switch, read at import (``CHUNKLOCAL_NORM_TRITON=0`` turns it off).
 NORM_ENABLED = os.environ.get("CHUNKLOCAL_NORM_TRITON", "1") == "1"
 MAX_HIDDEN = 16384  # one block holds a row: Llama-4's 5120 and 8192 fit with room
+#: Rope + QK norm over a tile of heads of one token per program (``CHUNKLOCAL_ROPE_TILED=1``,
+#: ``--switches rope_tiled``): the token's cos / sin loaded once for ``ROPE_TILE_HEADS``
+#: heads, four warps a program.  One head a program (the default) was 4.3 ms of a
+#: 12-layer 8k prefill step on the H100 (28th session) for 9 launches of 8192 x 48 heads:
+#: about 7x the bytes it moves at the copy rate, 393k one-warp programs each reading the
+#: token's 512 bytes of cos / sin again.  Off until a GPU A/B.
+ROPE_TILED = os.environ.get("CHUNKLOCAL_ROPE_TILED", "0") == "1"
+ROPE_TILE_HEADS = 16
 
 
 def norm_available(x: torch.Tensor) -> bool:
@@ -100,33 +108,38 @@ def add_rms_norm_rows(h: torch.Tensor, residual: torch.Tensor | None, weight: to
 
 if triton is not None:
     @triton.jit(do_not_specialize=["eps"])
-    def _rope_norm_kernel(x_ptr, f_ptr, out_ptr, out2_ptr, eps, split, stride_xt, stride_xh,
-                          stride_ft, stride_ot, stride_oh, stride_o2t, stride_o2h,
-                          HALF: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    def _rope_norm_kernel(x_ptr, f_ptr, out_ptr, out2_ptr, eps, heads, split, stride_xt,
+                          stride_xh, stride_ft, stride_ot, stride_oh, stride_o2t, stride_o2h,
+                          HALF: tl.constexpr, HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
+                          PDL: tl.constexpr):
+        # program (t, g): token t's heads [g * HEADS, (g + 1) * HEADS), a [HEADS, HALF]
+        # tile of (re, im) pairs; the token's cos / sin loaded once for all of them
         pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64) * HEADS + tl.arange(0, HEADS).to(tl.int64)
         pair = tl.arange(0, HALF) * 2
-        src = x_ptr + t * stride_xt + h * stride_xh + pair
-        x_re = tl.load(src)
-        x_im = tl.load(src + 1).to(tl.float32)
-        cos = tl.load(f_ptr + t * stride_ft + pair)
-        sin = tl.load(f_ptr + t * stride_ft + pair + 1)
+        live = (h < heads)[:, None]
+        src = x_ptr + t * stride_xt + h[:, None] * stride_xh + pair[None, :]
+        x_re = tl.load(src, mask=live, other=0.0)
+        x_im = tl.load(src + 1, mask=live, other=0.0).to(tl.float32)
+        cos = tl.load(f_ptr + t * stride_ft + pair)[None, :]
+        sin = tl.load(f_ptr + t * stride_ft + pair + 1)[None, :]
         re = x_re.to(tl.float32) * cos - x_im * sin
         im = x_re.to(tl.float32) * sin + x_im * cos
         re = re.to(x_re.dtype).to(tl.float32)  # _rotate's type_as
         im = im.to(x_re.dtype).to(tl.float32)
         if HAS_NORM:
-            mean_sq = (tl.sum(re * re, axis=0) + tl.sum(im * im, axis=0)) / (2 * HALF)
-            inv = tl.rsqrt(mean_sq + eps)
+            mean_sq = (tl.sum(re * re, axis=1) + tl.sum(im * im, axis=1)) / (2 * HALF)
+            inv = tl.rsqrt(mean_sq + eps)[:, None]
             re = re * inv
             im = im * inv
-        if h < split:  # heads [0, split) to out, the rest to out2 (q and k of one launch)
-            dst = out_ptr + t * stride_ot + h * stride_oh + pair
-        else:
-            dst = out2_ptr + t * stride_o2t + (h - split) * stride_o2h + pair
-        tl.store(dst, re.to(x_re.dtype))
-        tl.store(dst + 1, im.to(x_re.dtype))
+        # heads [0, split) to out, the rest to out2 (q and k of one launch)
+        first = (h < split)[:, None]
+        dst = tl.where(first, out_ptr + t * stride_ot + h[:, None] * stride_oh,
+                       out2_ptr + t * stride_o2t + (h[:, None] - split) * stride_o2h) \
+            + pair[None, :]
+        tl.store(dst, re.to(x_re.dtype), mask=live)
+        tl.store(dst + 1, im.to(x_re.dtype), mask=live)
 
 
 def rope_available(x: torch.Tensor) -> bool:
@@ -157,9 +170,10 @@ def rope_norm_rows(x: torch.Tensor, freqs_cis: torch.Tensor, eps: float | None,
     if freqs.stride(-1) != 1 or freqs.stride(-2) != 2:
         freqs = freqs.contiguous()
     if tokens and heads:
-        _rope_norm_kernel[(tokens, heads)](
-            x, freqs, out, out2, 0.0 if eps is None else float(eps), first, x.stride(0),
-            x.stride(1), freqs.stride(0), out.stride(0), out.stride(1), out2.stride(0),
-            out2.stride(1), HALF=head_dim // 2, HAS_NORM=eps is not None, num_warps=1,
-            **pdl_args(x))
+        tile = min(ROPE_TILE_HEADS, triton.next_power_of_2(heads)) if ROPE_TILED else 1
+        _rope_norm_kernel[(tokens, triton.cdiv(heads, tile))](
+            x, freqs, out, out2, 0.0 if eps is None else float(eps), heads, first,
+            x.stride(0), x.stride(1), freqs.stride(0), out.stride(0), out.stride(1),
+            out2.stride(0), out2.stride(1), HALF=head_dim // 2, HEADS=tile,
+            HAS_NORM=eps is not None, num_warps=4 if tile > 1 else 1, **pdl_args(x))
     return out if split is None else (out, out2)
