@@ -186,9 +186,9 @@ def test_own_keys_ragged_path_equals_the_torch_backend(ckpt, hybrid, gathered, m
     blocks: list[int] = []
     real_plan_block = own_keys.plan_block
 
-    def counting_block(backend, state, parity, index, block, host):
+    def counting_block(backend, state, parity, index, *args):
         blocks.append(index)
-        return real_plan_block(backend, state, parity, index, block, host)
+        return real_plan_block(backend, state, parity, index, *args)
 
     monkeypatch.setattr(own_keys, "plan_block", counting_block)
     merges = []
@@ -346,12 +346,17 @@ def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_
     assert all(wrapper(third, k) is wrapper(first, k) for k in want)
 
 
+@pytest.mark.parametrize("every_row", [False, True], ids=["some-rows", "every-row"])
 @pytest.mark.parametrize("gathered", [False, True], ids=["paged-earlier", "gathered"])
-def test_own_keys_backend_equals_the_float64_reference(gathered, monkeypatch):
+def test_own_keys_backend_equals_the_float64_reference(gathered, every_row, monkeypatch):
     """The ragged path of one eager mixed step, both kinds of a merged group, against
     ``reference_attention`` in float64: own keys causal, earlier keys paged or (gathered)
     copied in blocks of 5 keys for segments of 2+ rows, so one segment's earlier keys span
-    several blocks, each merged over the last (its log-sum-exp carried)."""
+    several blocks, each merged over the last (its log-sum-exp carried).  ``every_row``:
+    every row reads earlier keys (each request's rows inside one chunk, after its start),
+    and gathered, one block of every segment: the parts run on q itself (ALL_ROWS)."""
+    from chunklocal.backends.flashinfer import own_keys
+
     from chunklocal.backends.base import EngineLimits, Kind
     from chunklocal.backends.flashinfer import FlashInferBackend
     from chunklocal.backends.flashinfer import backend as fi_backend
@@ -364,11 +369,15 @@ def test_own_keys_backend_equals_the_float64_reference(gathered, monkeypatch):
     spec = FullAttentionSpec(4, 2, 16, torch.float32, attention_chunk_size=8)
     backend = FlashInferBackend(spec, EngineLimits(4, 64, 64, 4), 4, 2, 16, torch.float32,
                                 "cpu")
-    backend.gather.keys = 5
+    backend.gather.keys = 500 if every_row else 5
+    if every_row:
+        monkeypatch.setattr(fi_backend, "GATHER_MIN_ROWS", 1)
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = (torch.randn(40, 4, 2, 16, generator=gen) for _ in range(2))
     table = np.random.default_rng(3).permutation(40).astype(np.int32).reshape(4, 10)
     q_lens, seq = np.array([1, 5, 3, 9]), np.array([9, 20, 14, 30])
+    if every_row:  # rows at 9; 17-19; 25-29; 33-38: each after its chunk's start
+        q_lens, seq = np.array([1, 3, 5, 6]), np.array([10, 20, 30, 39])
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     md = backend.build(qsl, seq, table)
     q = torch.randn(int(qsl[-1]), 4, 16, generator=gen)
@@ -378,8 +387,12 @@ def test_own_keys_backend_equals_the_float64_reference(gathered, monkeypatch):
     slot = torch.from_numpy(table[req, pos // 4].astype(np.int64) * 4 + pos % 4)
     own = {"k": k_cache.view(-1, 2, 16)[slot], "v": v_cache.view(-1, 2, 16)[slot]}
     for kind, chunk in ((Kind.CHUNKED, 8), (Kind.GLOBAL, None)):
-        blocks = md.wrappers[kind].blocks
-        assert (len(blocks) > 1) == gathered, (kind, len(blocks))
+        step = md.wrappers[kind]
+        if every_row:
+            rows = [b[1] for b in step.blocks] if gathered else [step.rows]
+            assert rows and all(r is own_keys.ALL_ROWS for r in rows), (kind, rows)
+        else:
+            assert (len(step.blocks) > 1) == gathered, (kind, len(step.blocks))
         got = backend.forward(md, q, k_cache, v_cache, 0.25, kind=kind, **own)
         want = reference_attention(q.double(), k_cache.double(), v_cache.double(), qsl, seq,
                                    table, chunk_size=chunk, scale=0.25)

@@ -134,10 +134,11 @@ def own_rows(qsl, seq, table):
     return torch.from_numpy(table[req, pos // BS].astype(np.int64) * BS + pos % BS).cuda()
 
 
+@pytest.mark.parametrize("every_row", [False, True], ids=["some-rows", "every-row"])
 @pytest.mark.parametrize("gathered", [False, True], ids=["paged-earlier", "gathered"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("chunk", [None, 256])
-def test_own_keys_ragged_path(seed, chunk, gathered, monkeypatch):
+def test_own_keys_ragged_path(seed, chunk, gathered, every_row, monkeypatch):
     """``RAGGED_OWN_KEYS``: mixed batches with the step's own keys from its K/V (ragged,
     FA3 on sm_90), the earlier ones paged, merged by LSE, against the reference.
     ``gathered`` (``RAGGED_EARLIER``): segments of 64+ rows read their earlier keys copied
@@ -155,6 +156,8 @@ def test_own_keys_ragged_path(seed, chunk, gathered, monkeypatch):
     q_lens = np.where(rng.random(n) < 0.3, 1, rng.integers(2, 500, n))
     context = rng.integers(0, model_len - q_lens + 1)
     context[0] = 0  # one request with no earlier keys
+    if every_row:  # on global layers every row reads earlier keys: the parts run on q
+        context = np.maximum(context, 1)
     seq = context + q_lens
     width = -(-model_len // BS)
     k, v = kv_cache(n * width + 1, seed)
@@ -164,8 +167,11 @@ def test_own_keys_ragged_path(seed, chunk, gathered, monkeypatch):
     rows = own_rows(qsl, seq, table)
     md = backend.build(qsl, seq, table)
     assert all(isinstance(w, fi_backend.OwnKeys) for w in md.wrappers.values())
-    if gathered and chunk is None:  # a long global segment's keys span blocks
+    if gathered and chunk is None and not every_row:  # a long segment's keys span blocks
         assert max(len(w.blocks) for w in md.wrappers.values()) > 1
+    if every_row and chunk is None and not gathered:
+        from chunklocal.backends.flashinfer.own_keys import ALL_ROWS
+        assert all(w.rows is ALL_ROWS for w in md.wrappers.values())
     out = run_eager(backend, q, k, v, qsl, seq, table,
                     k=k.view(-1, HKV, D)[rows], v=v.view(-1, HKV, D)[rows])
     check(out, q, k, v, qsl, seq, table, chunk)

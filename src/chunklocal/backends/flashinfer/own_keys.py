@@ -21,13 +21,19 @@ from chunklocal.backends.flashinfer.ragged import ragged_split, split_earlier
 __all__ = ["GatherBuffers", "OwnKeys", "plan_own_keys", "run_own_keys"]
 
 
+#: ``rows`` of a part that every row of the step reads (a long prompt's later steps on
+#: global layers): its queries are ``q`` itself and its merge replaces the result, with
+#: no rows gathered from q, o and the LSE nor copied back (four passes over o's bytes).
+ALL_ROWS = "all"
+
+
 class OwnKeys:
     """A kind's eager step on the ragged path: the ragged wrapper (the step's own keys),
-    the paged one with the rows that also read earlier keys there (None where none do),
-    and the gathered blocks of earlier keys: (ragged wrapper, rows, cache rows, keys)
-    each."""
+    the paged one (None where no row reads earlier keys there) with its rows, and the
+    gathered blocks of earlier keys: (ragged wrapper, rows, cache rows, keys) each.  Rows:
+    a device tensor of step rows, or :data:`ALL_ROWS`."""
 
-    def __init__(self, ragged, earlier, rows: torch.Tensor | None, blocks: tuple = ()):
+    def __init__(self, ragged, earlier, rows, blocks: tuple = ()):
         self.ragged, self.earlier, self.rows, self.blocks = ragged, earlier, rows, blocks
 
 
@@ -71,18 +77,28 @@ def plan_own_keys(backend, state, parity: int, qsl, seq_lens, block_table,
     if gather is not None:
         parts = split_earlier(split, backend.block_size, gather[1], gather[0])
         paged_rows, p = parts.paged_rows, parts.paged
-        blocks = tuple(plan_block(backend, state, parity, i, block, host)
+        blocks = tuple(plan_block(backend, state, parity, i, block, host,
+                                  int(split.qo_indptr[-1]))
                        for i, block in enumerate(parts.blocks))
     if not paged_rows.size:
         return OwnKeys(ragged, None, None, blocks)
     earlier.plan(*(host.put(f"paged_{name}", getattr(p, name)) for name in (
         "qo_indptr", "kv_indptr", "kv_indices", "last_page_len")), *heads,
         backend.block_size, causal=False, **kwargs)
-    rows = host.put("rows", paged_rows).to(backend.device, non_blocking=True)
-    return OwnKeys(ragged, earlier, rows, blocks)
+    return OwnKeys(ragged, earlier, _device_rows(backend, host, "rows", paged_rows,
+                                                 int(split.qo_indptr[-1])), blocks)
 
 
-def plan_block(backend, state, parity: int, index: int, block, host) -> tuple:
+def _device_rows(backend, host, name: str, rows, num_tokens: int):
+    """``rows`` (distinct step rows, ascending) on the device, or :data:`ALL_ROWS` when
+    they are every row of the step."""
+    if rows.shape[0] == num_tokens:
+        return ALL_ROWS
+    return host.put(name, rows).to(backend.device, non_blocking=True)
+
+
+def plan_block(backend, state, parity: int, index: int, block, host,
+               num_tokens: int) -> tuple:
     """Plan gathered block ``index``: its wrapper, and its rows and cache rows on the
     device (copied from page-locked staging, one buffer per array and block)."""
     wrapper = state.block_wrapper(parity, index)
@@ -90,8 +106,9 @@ def plan_block(backend, state, parity: int, index: int, block, host) -> tuple:
                  host.put(f"block{index}_kv", block.kv_indptr), backend.num_q_heads,
                  backend.num_kv_heads, backend.head_dim, causal=False,
                  **backend._plan_kwargs())
-    rows, cache_rows = (host.put(f"block{index}_{name}", getattr(block, name)).to(
-        backend.device, non_blocking=True) for name in ("rows", "cache_rows"))
+    rows = _device_rows(backend, host, f"block{index}_rows", block.rows, num_tokens)
+    cache_rows = host.put(f"block{index}_cache_rows", block.cache_rows).to(
+        backend.device, non_blocking=True)
     return wrapper, rows, cache_rows, int(block.cache_rows.shape[0])
 
 
@@ -100,31 +117,31 @@ def run_own_keys(step: OwnKeys, q, k, v, k_cache, v_cache, q_scale, merge_state:
     """Attention of one layer's step on the ragged path: a new ``[tokens, Hq, D]``."""
     o, lse = step.ragged.run(q, k.contiguous(), v.contiguous(), q_scale=q_scale,
                              return_lse=True)
-    if step.rows is not None:
-        rows = step.rows
-        part = step.earlier.run(q.index_select(0, rows), (k_cache, v_cache), q_scale=q_scale,
-                                return_lse=True)
-        merged, _ = merge_state(o.index_select(0, rows), lse.index_select(0, rows), *part)
-        o.index_copy_(0, rows, merged)
-    for block in step.blocks:  # rows apart from the paged ones
-        _run_block(block, q, o, lse, k_cache, v_cache, q_scale, merge_state, gather)
+    if step.earlier is not None:
+        o, lse = _merge_part(step.rows, lambda rows_q: step.earlier.run(
+            rows_q, (k_cache, v_cache), q_scale=q_scale, return_lse=True), q, o, lse,
+            merge_state)
+    for wrapper, rows, cache_rows, num_keys in step.blocks:  # rows apart from the paged
+        # its keys copied from the pages into the gather buffers (after the last block's
+        # kernel read them: one stream); a long segment's next block merges on top
+        buf_k, buf_v = gather.get()
+        tail = gather.shape_tail
+        keys, values = buf_k[:num_keys], buf_v[:num_keys]
+        torch.index_select(k_cache.view(-1, *tail), 0, cache_rows, out=keys)
+        torch.index_select(v_cache.view(-1, *tail), 0, cache_rows, out=values)
+        o, lse = _merge_part(rows, lambda rows_q, w=wrapper, kv=(keys, values): w.run(
+            rows_q, *kv, q_scale=q_scale, return_lse=True), q, o, lse, merge_state)
     return o
 
 
-def _run_block(block: tuple, q, o, lse, k_cache, v_cache, q_scale, merge_state,
-               gather: GatherBuffers) -> None:
-    """One gathered block: its keys copied from the pages into the gather buffers (after
-    the last block's kernel read them: one stream), read non-causal by its rows, merged
-    into ``o`` / ``lse`` in place (a long segment's next block merges on top)."""
-    wrapper, rows, cache_rows, num_keys = block
-    buf_k, buf_v = gather.get()
-    tail = gather.shape_tail
-    keys, values = buf_k[:num_keys], buf_v[:num_keys]
-    torch.index_select(k_cache.view(-1, *tail), 0, cache_rows, out=keys)
-    torch.index_select(v_cache.view(-1, *tail), 0, cache_rows, out=values)
-    part = wrapper.run(q.index_select(0, rows), keys, values, q_scale=q_scale,
-                       return_lse=True)
+def _merge_part(rows, run, q, o, lse, merge_state):
+    """(o, lse) with one part's (output, LSE) over ``rows`` merged in: the part run on
+    those rows' queries.  Every row (:data:`ALL_ROWS`): new tensors, nothing gathered;
+    else ``o`` and ``lse`` updated in place at ``rows``."""
+    if isinstance(rows, str):
+        return merge_state(o, lse, *run(q))
     merged, merged_lse = merge_state(o.index_select(0, rows), lse.index_select(0, rows),
-                                     *part)
+                                     *run(q.index_select(0, rows)))
     o.index_copy_(0, rows, merged)
     lse.index_copy_(0, rows, merged_lse)
+    return o, lse
