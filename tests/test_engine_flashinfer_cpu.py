@@ -347,25 +347,27 @@ def test_an_eager_step_still_runs_its_own_plan_after_the_next_is_planned(decode_
 
 
 @pytest.mark.parametrize("every_row", [False, True], ids=["some-rows", "every-row"])
-@pytest.mark.parametrize("gathered", [False, True], ids=["paged-earlier", "gathered"])
+@pytest.mark.parametrize("gathered", [False, True, "one-block"],
+                         ids=["paged-earlier", "gathered", "one-block"])
 def test_own_keys_backend_equals_the_float64_reference(gathered, every_row, monkeypatch):
     """The ragged path of one eager mixed step, both kinds of a merged group, against
     ``reference_attention`` in float64: own keys causal, earlier keys paged or (gathered)
     copied in blocks of 5 keys for segments of 2+ rows, so one segment's earlier keys span
     several blocks, each merged over the last (its log-sum-exp carried).  ``every_row``:
     every row reads earlier keys (each request's rows inside one chunk, after its start),
-    and gathered, one block of every segment: the parts run on q itself (ALL_ROWS)."""
-    from chunklocal.backends.flashinfer import own_keys
-
+    and gathered, one block of every segment: the parts run on q itself (ALL_ROWS).
+    ``one-block``: GATHER_MAX_BLOCKS 1, so long segments keep paged prefixes and their rows
+    merge a paged part and a gathered one."""
     from chunklocal.backends.base import EngineLimits, Kind
-    from chunklocal.backends.flashinfer import FlashInferBackend
+    from chunklocal.backends.flashinfer import FlashInferBackend, own_keys
     from chunklocal.backends.flashinfer import backend as fi_backend
     from chunklocal.kv_spec import FullAttentionSpec
     from chunklocal.reference import reference_attention
 
     monkeypatch.setattr(fi_backend, "RAGGED_OWN_KEYS", True)
-    monkeypatch.setattr(fi_backend, "RAGGED_EARLIER", gathered)
+    monkeypatch.setattr(fi_backend, "RAGGED_EARLIER", bool(gathered))
     monkeypatch.setattr(fi_backend, "GATHER_MIN_ROWS", 2)
+    monkeypatch.setattr(fi_backend, "GATHER_MAX_BLOCKS", 1 if gathered == "one-block" else 4)
     spec = FullAttentionSpec(4, 2, 16, torch.float32, attention_chunk_size=8)
     backend = FlashInferBackend(spec, EngineLimits(4, 64, 64, 4), 4, 2, 16, torch.float32,
                                 "cpu")
@@ -388,7 +390,13 @@ def test_own_keys_backend_equals_the_float64_reference(gathered, every_row, monk
     own = {"k": k_cache.view(-1, 2, 16)[slot], "v": v_cache.view(-1, 2, 16)[slot]}
     for kind, chunk in ((Kind.CHUNKED, 8), (Kind.GLOBAL, None)):
         step = md.wrappers[kind]
-        if every_row:
+        if gathered == "one-block" and not every_row:
+            assert len(step.blocks) == 1 and step.earlier is not None, kind
+            rows = set(step.blocks[0][1].tolist())
+            paged = set(range(q.shape[0])) if isinstance(step.rows, str) \
+                else set(step.rows.tolist())
+            assert rows & paged, kind  # rows reading a paged prefix and a block
+        elif every_row:
             rows = [b[1] for b in step.blocks] if gathered else [step.rows]
             assert rows and all(r is own_keys.ALL_ROWS for r in rows), (kind, rows)
         else:

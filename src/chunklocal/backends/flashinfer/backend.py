@@ -115,6 +115,11 @@ RAGGED_EARLIER = os.environ.get("CHUNKLOCAL_RAGGED_EARLIER", "0") == "1"
 #: Shorter segments (decodes in a mixed step) read each key once either way, and the copy
 #: would double that traffic.
 GATHER_MIN_ROWS = 128
+#: Gathered blocks a kind's step may use (each one more ragged wrapper per eager parity,
+#: made with the backend: FlashInfer's 8 MiB of plan buffers on the device, 8 MiB pinned);
+#: beyond ``GATHER_MAX_BLOCKS * gathered_key_capacity`` keys (128k for Scout at 8k steps)
+#: the rest of a step's earlier keys stay paged (:func:`.ragged.split_earlier`).
+GATHER_MAX_BLOCKS = 4
 RAGGED_KERNEL = "auto"
 _workspaces: dict[torch.device, torch.Tensor] = {}
 _NO_INDICES = torch.zeros(0, dtype=torch.int32)
@@ -272,6 +277,9 @@ class FlashInferBackend:
                                     dtype, self.device)
         if RAGGED_OWN_KEYS and RAGGED_EARLIER and not is_fp8(spec.dtype):
             self.gather.get()
+            for state in self._kinds.values():
+                for parity in (0, 1):
+                    state.block_wrapper(parity, GATHER_MAX_BLOCKS - 1)
         #: Eager steps may be launched before the previous one is collected (two wrappers
         #: per kind, see _KindState); ``CHUNKLOCAL_OVERLAP_EAGER=0`` makes the engine
         #: collect each eager step first.
@@ -341,7 +349,8 @@ class FlashInferBackend:
             if own_keys:
                 wrappers[kind] = plan_own_keys(
                     self, state, parity, qsl, seq_lens, block_table,
-                    (self.gather.keys, GATHER_MIN_ROWS) if RAGGED_EARLIER else None)
+                    (self.gather.keys, GATHER_MIN_ROWS, GATHER_MAX_BLOCKS)
+                    if RAGGED_EARLIER else None)
                 continue
             step = write_step(state.buffers, qsl, seq_lens, block_table, query_lens,
                               state.chunk_size)

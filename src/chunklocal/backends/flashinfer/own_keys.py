@@ -57,10 +57,11 @@ class GatherBuffers:
 
 
 def plan_own_keys(backend, state, parity: int, qsl, seq_lens, block_table,
-                  gather: tuple[int, int] | None) -> OwnKeys | None:
+                  gather: tuple[int, int, int] | None) -> OwnKeys | None:
     """Plan one kind's eager step (``state``: the backend's per-kind state, its wrappers and
     host staging of eager step ``parity``).  ``gather``: (keys a block holds, rows a
-    segment needs) to gather long segments' earlier keys; None keeps them paged."""
+    segment needs, blocks a step may use) to gather long segments' earlier keys; None
+    keeps them paged."""
     split = ragged_split(qsl, seq_lens, block_table, state.chunk_size, backend.block_size)
     if split.num_batches == 0 or split.qo_indptr[-1] == 0:
         return None
@@ -75,7 +76,7 @@ def plan_own_keys(backend, state, parity: int, qsl, seq_lens, block_table,
     paged_rows, p = split.paged_rows, split.paged
     blocks: tuple[tuple, ...] = ()
     if gather is not None:
-        parts = split_earlier(split, backend.block_size, gather[1], gather[0])
+        parts = split_earlier(split, backend.block_size, gather[1], gather[0], gather[2])
         paged_rows, p = parts.paged_rows, parts.paged
         blocks = tuple(plan_block(backend, state, parity, i, block, host,
                                   int(split.qo_indptr[-1]))

@@ -21,10 +21,13 @@ segments (at least ``min_rows`` queries: a long prompt's later chunks) off the p
 kernel too: they are copied from the pages into a contiguous buffer in blocks of at most
 ``max_keys`` and read by the ragged kernel, non-causal, each block's result merged by
 log-sum-exp.  Short segments (decodes, short chunks) keep the paged read, where one pass
-over the pages is all the work and a copy would double it.  The blocks cut the long
-segments' keys, laid end to end in segment order, every ``max_keys``: a segment's keys
-fall in consecutive blocks, at most one piece in each, so every earlier key of every row
-is read exactly once, by the paged part or by one block.
+over the pages is all the work and a copy would double it.  At most ``max_blocks``
+blocks a step (each is one more planned wrapper, with FlashInfer's 8 MiB of plan
+buffers on the device and 8 MiB pinned): the long segments give their *last* keys, in
+segment order, until ``max_blocks * max_keys`` are taken, and keep the rest as a paged
+prefix.  The blocks cut the taken keys, laid end to end, every ``max_keys``: a segment's
+keys fall in consecutive blocks, at most one piece in each, so every earlier key of every
+row is read exactly once, by the paged part or by one block.
 """
 
 from __future__ import annotations
@@ -134,47 +137,57 @@ class EarlierSplit:
     blocks: tuple[KeyBlock, ...]
 
 
-def split_earlier(split: RaggedSplit, block_size: int, min_rows: int,
-                  max_keys: int) -> EarlierSplit:
-    """``split``'s earlier keys divided between the paged path (segments of fewer than
-    ``min_rows`` queries) and gathered blocks of at most ``max_keys`` keys (the rest)."""
-    if min_rows < 1 or max_keys < 1:
-        raise ValueError(f"split_earlier: min_rows and max_keys must be positive, got "
-                         f"{min_rows} and {max_keys}")
+def split_earlier(split: RaggedSplit, block_size: int, min_rows: int, max_keys: int,
+                  max_blocks: int) -> EarlierSplit:
+    """``split``'s earlier keys divided between the paged path and at most ``max_blocks``
+    gathered blocks of at most ``max_keys`` keys.  Segments of ``min_rows`` queries or more
+    (in order, until ``max_blocks * max_keys`` keys are taken) give their last keys to the
+    blocks; the rest of their keys (a prefix: whole pages, the last one cut) and every key
+    of shorter segments stay paged, so a row may read a paged prefix and gathered keys."""
+    if min(min_rows, max_keys, max_blocks) < 1:
+        raise ValueError(f"split_earlier: min_rows, max_keys and max_blocks must be "
+                         f"positive, got {min_rows}, {max_keys} and {max_blocks}")
     p = split.paged
+    n = p.qo_indptr.shape[0] - 1
     q_lens = np.diff(p.qo_indptr).astype(np.int64)
     num_pages = np.diff(p.kv_indptr).astype(np.int64)
     keys = np.where(num_pages > 0, (num_pages - 1) * block_size + p.last_page_len, 0)
-    big = q_lens >= min_rows
-    seg_of_row = np.repeat(np.arange(q_lens.shape[0]), q_lens)
-    seg_of_page = np.repeat(np.arange(q_lens.shape[0]), num_pages)
-    small = ~big
-    paged = PagedKV(_indptr(q_lens[small]), _indptr(num_pages[small]),
-                    p.kv_indices[small[seg_of_page]], p.last_page_len[small])
-    paged_rows = split.paged_rows[small[seg_of_row]]
-    # The long segments' keys end to end: key g of segment s is its key g - key_start[s].
-    segs = np.flatnonzero(big)
-    key_start = np.concatenate([[0], np.cumsum(keys[segs])])
+    seg_of_row = np.repeat(np.arange(n), q_lens)
+    seg_of_page = np.repeat(np.arange(n), num_pages)
+    big_keys = np.where(q_lens >= min_rows, keys, 0)
+    gathered = np.clip(max_blocks * max_keys - (np.cumsum(big_keys) - big_keys), 0, big_keys)
+    kept = keys - gathered  # each segment's paged prefix
+    kept_pages = -(-kept // block_size)
+    page_in_seg = np.arange(seg_of_page.shape[0]) - p.kv_indptr[:-1][seg_of_page]
+    has = kept > 0
+    paged = PagedKV(_indptr(q_lens[has]), _indptr(kept_pages[has]),
+                    p.kv_indices[page_in_seg < kept_pages[seg_of_page]],
+                    (kept - (kept_pages - 1) * block_size)[has].astype(np.int32))
+    paged_rows = split.paged_rows[has[seg_of_row]]
+    # The gathered keys end to end: key g is key kept[s] + g - key_start[r] of segment
+    # s = segs[r].
+    segs = np.flatnonzero(gathered > 0)
+    key_start = np.concatenate([[0], np.cumsum(gathered[segs])])
     total = int(key_start[-1])
     if total == 0:
         return EarlierSplit(paged_rows, paged, ())
-    g = np.arange(total, dtype=np.int64)
-    owner = np.repeat(np.arange(segs.shape[0]), keys[segs])  # index into segs
-    j = g - key_start[owner]
+    owner = np.repeat(np.arange(segs.shape[0]), gathered[segs])  # index into segs
+    j = np.arange(total, dtype=np.int64) - key_start[owner] + kept[segs[owner]]
     page = p.kv_indices[p.kv_indptr[segs[owner]] + j // block_size].astype(np.int64)
     cache_rows = page * block_size + j % block_size
-    rank_of_row = np.cumsum(big) - 1  # a long segment's index into segs
-    long_rows = big[seg_of_row]
-    row_rank = rank_of_row[seg_of_row[long_rows]]
-    rows_long = split.paged_rows[long_rows]
+    taken = gathered > 0
+    rank_of_seg = np.cumsum(taken) - 1  # a gathered segment's index into segs
+    taken_rows = taken[seg_of_row]
+    row_rank = rank_of_seg[seg_of_row[taken_rows]]
+    rows_taken = split.paged_rows[taken_rows]
     blocks = []
-    for lo in range(0, total, max_keys):  # blocks, not requests: ceil(total / max_keys)
+    for lo in range(0, total, max_keys):  # at most max_blocks: total <= their keys
         hi = min(lo + max_keys, total)
         first, last = int(owner[lo]), int(owner[hi - 1])
         touched = np.arange(first, last + 1)
         piece = np.minimum(key_start[touched + 1], hi) - np.maximum(key_start[touched], lo)
         pick = (row_rank >= first) & (row_rank <= last)
-        blocks.append(KeyBlock(rows_long[pick], _indptr(q_lens[segs[touched]]),
+        blocks.append(KeyBlock(rows_taken[pick], _indptr(q_lens[segs[touched]]),
                                _indptr(piece), cache_rows[lo:hi]))
     return EarlierSplit(paged_rows, paged, tuple(blocks))
 
