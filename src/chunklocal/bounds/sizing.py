@@ -168,10 +168,10 @@ def gathered_key_capacity(limits) -> int:
     (backends/flashinfer/ragged.py ``split_earlier``): ``GATHER_KEYS_PER_TOKEN *
     max_num_batched_tokens``.  No step outgrows it: a step's gathered keys are cut into
     blocks of at most this many, each copied into the same buffer after the last block's
-    kernel read it (one stream), so the size only sets how many blocks a step runs (a
-    1M-token prompt's later 8k steps: 32 a global layer at 4 x 8192).  Four steps' worth
-    keeps a block's kernel large (32k keys for 8k queries) at 2 x 4 x 8192 x 8 x 128 x 2 B
-    = 128 MiB for Scout's bf16 K and V."""
+    kernel read it (one stream), and the backend's block count caps what is gathered
+    (``GATHER_MAX_BLOCKS``; the rest stays paged).  Four steps' worth keeps a block's kernel
+    large (32k keys for 8k queries) at 2 x 4 x 8192 x 8 x 128 x 2 B = 128 MiB for Scout's
+    bf16 K and V."""
     return GATHER_KEYS_PER_TOKEN * _positive("max_num_batched_tokens",
                                              limits.max_num_batched_tokens)
 

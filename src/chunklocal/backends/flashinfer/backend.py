@@ -466,4 +466,3 @@ class FlashInferBackend:
             result = torch.where(pick, pair_out[:, 0], pair_out[:, 1]).reshape(q.shape)
             return result if out is None else out.copy_(result)
         return wrapper.run(q, (k_cache, v_cache), q_scale=q_scale, out=out, **fp8)
-

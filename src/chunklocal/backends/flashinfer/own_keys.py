@@ -6,8 +6,8 @@ Per kind and step: the own keys' ragged wrapper (causal), then for the rows that
 earlier keys either the paged wrapper (non-causal) or, for long segments, gathered blocks:
 each block's keys copied from the pages into :class:`GatherBuffers` and read by one more
 ragged wrapper (non-causal).  Every part's output is merged into the own keys' by
-log-sum-exp; the paged rows and the gathered rows are disjoint, while a long segment's
-blocks merge one over the other, so the running log-sum-exp is kept.
+log-sum-exp; a row may be in several parts (a long segment's consecutive blocks, and its
+paged prefix once the blocks are full), so the running log-sum-exp is kept.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def plan_own_keys(backend, state, parity: int, qsl, seq_lens, block_table,
         parts = split_earlier(split, backend.block_size, gather[1], gather[0], gather[2])
         paged_rows, p = parts.paged_rows, parts.paged
         blocks = tuple(plan_block(backend, state, parity, i, block, host,
-                                  int(split.qo_indptr[-1]))
+                                  int(split.qo_indptr[-1]), kwargs)
                        for i, block in enumerate(parts.blocks))
     if not paged_rows.size:
         return OwnKeys(ragged, None, None, blocks)
@@ -98,15 +98,14 @@ def _device_rows(backend, host, name: str, rows, num_tokens: int):
     return host.put(name, rows).to(backend.device, non_blocking=True)
 
 
-def plan_block(backend, state, parity: int, index: int, block, host,
-               num_tokens: int) -> tuple:
+def plan_block(backend, state, parity: int, index: int, block, host, num_tokens: int,
+               plan_kwargs: dict) -> tuple:
     """Plan gathered block ``index``: its wrapper, and its rows and cache rows on the
     device (copied from page-locked staging, one buffer per array and block)."""
     wrapper = state.block_wrapper(parity, index)
     wrapper.plan(host.put(f"block{index}_qo", block.qo_indptr),
                  host.put(f"block{index}_kv", block.kv_indptr), backend.num_q_heads,
-                 backend.num_kv_heads, backend.head_dim, causal=False,
-                 **backend._plan_kwargs())
+                 backend.num_kv_heads, backend.head_dim, causal=False, **plan_kwargs)
     rows = _device_rows(backend, host, f"block{index}_rows", block.rows, num_tokens)
     cache_rows = host.put(f"block{index}_cache_rows", block.cache_rows).to(
         backend.device, non_blocking=True)
@@ -139,7 +138,7 @@ def _merge_part(rows, run, q, o, lse, merge_state):
     """(o, lse) with one part's (output, LSE) over ``rows`` merged in: the part run on
     those rows' queries.  Every row (:data:`ALL_ROWS`): new tensors, nothing gathered;
     else ``o`` and ``lse`` updated in place at ``rows``."""
-    if isinstance(rows, str):
+    if rows is ALL_ROWS:
         return merge_state(o, lse, *run(q))
     merged, merged_lse = merge_state(o.index_select(0, rows), lse.index_select(0, rows),
                                      *run(q.index_select(0, rows)))

@@ -166,7 +166,8 @@ def split_earlier(split: RaggedSplit, block_size: int, min_rows: int, max_keys: 
     paged_rows = split.paged_rows[has[seg_of_row]]
     # The gathered keys end to end: key g is key kept[s] + g - key_start[r] of segment
     # s = segs[r].
-    segs = np.flatnonzero(gathered > 0)
+    taken = gathered > 0
+    segs = np.flatnonzero(taken)
     key_start = np.concatenate([[0], np.cumsum(gathered[segs])])
     total = int(key_start[-1])
     if total == 0:
@@ -175,7 +176,6 @@ def split_earlier(split: RaggedSplit, block_size: int, min_rows: int, max_keys: 
     j = np.arange(total, dtype=np.int64) - key_start[owner] + kept[segs[owner]]
     page = p.kv_indices[p.kv_indptr[segs[owner]] + j // block_size].astype(np.int64)
     cache_rows = page * block_size + j % block_size
-    taken = gathered > 0
     rank_of_seg = np.cumsum(taken) - 1  # a gathered segment's index into segs
     taken_rows = taken[seg_of_row]
     row_rank = rank_of_seg[seg_of_row[taken_rows]]
