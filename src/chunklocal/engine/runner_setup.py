@@ -85,11 +85,14 @@ def profile_batch(num_requests: int, tokens: int, block_size: int, vocab_size: i
     """``tokens`` prompt tokens over ``num_requests`` requests (as even as can be), one
     step, with a block manager of ``groups`` (each large enough) holding their pages.
 
-    Each request whose length leaves room under ``max_model_len`` (None: every one) has one
-    more prompt token already computed, so its rows also read an earlier key: the
-    attention backends' earlier-keys path (the ragged own-keys split's paged part and the
-    log-sum-exp merge, backends/flashinfer/ragged.py) allocates for nearly every row in
-    this step, as in a long prompt's later chunks, and the profile counts it.  Its KV is
+    Each request but the first (of several) whose length leaves room under
+    ``max_model_len`` (None: every one) has one more prompt token already computed, so its
+    rows also read an earlier key: the attention backends' earlier-keys path (the ragged
+    own-keys split's paged part and the log-sum-exp merge, backends/flashinfer/own_keys.py)
+    allocates for nearly every row in this step, and the profile counts it.  The first
+    stays fresh because a part every row reads merges without gathering the rows
+    (``own_keys.ALL_ROWS``), lighter than a real step whose rows only partly read earlier
+    keys: that heavier form is the one to profile.  Its KV is
     whatever the page holds: the profile reads the memory, not the values.  Pages: a
     request of n + 1 positions needs floor(n / block_size) + 1 <= n / block_size + 1 of
     them, so all fit in cdiv(tokens, block_size) + num_requests (profile_run's count)."""
@@ -98,7 +101,8 @@ def profile_batch(num_requests: int, tokens: int, block_size: int, vocab_size: i
     batch, row = ScheduledBatch(), sampling_row(SamplingParams(temperature=0.0))
     start = 0
     for i, n in enumerate(lens):
-        earlier = int(max_model_len is None or n < max_model_len)
+        earlier = int((i > 0 or num_requests == 1)
+                      and (max_model_len is None or n < max_model_len))
         # Varied ids: the MoE routes them over many experts, as real prompts are.
         seq = Sequence(i, [(7919 * (start + j)) % vocab_size for j in range(n + earlier)],
                        SamplingParams(max_tokens=1, temperature=0.0), len(groups))
