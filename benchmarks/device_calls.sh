@@ -14,6 +14,8 @@
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
 #   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
+#   bash benchmarks/device_calls.sh verify   # the defaults' paths: attention, engine, memory,
+#                                            # piecewise and norm tests (about 300 s)
 #   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
 #   bash benchmarks/device_calls.sh sanitize # issue 20: the FA3 probe under each compute-sanitizer tool
 #   bash benchmarks/device_calls.sh ragged   # issue 20, item 4: the step's own keys ragged + paged,
@@ -104,8 +106,10 @@ case ${1:-ab} in
     # 28th session; the gathered earlier keys, RAGGED_EARLIER, too), then the prefill A/B:
     # own keys off, on (paged earlier keys), on with the earlier keys gathered
     pmodel=""; [ "$big" = 1 ] || pmodel="--models scout-fp8-12"
-    pt 200 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits"
-    pt 60 tests/gpu/test_norm_triton_gpu.py -k rope  # the tiled rope kernel (ROPE_TILED)
+    if [ "${OWNKEYS_TESTS:-1}" = 1 ]; then  # OWNKEYS_TESTS=0 after a `verify` call ran them
+      pt 200 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits"
+      pt 60 tests/gpu/test_norm_triton_gpu.py -k rope  # the tiled rope kernel (ROPE_TILED)
+    fi
     for variant in own0 own1 gathered rope; do
       left=$(( 545 - $(date +%s) + t0 ))
       if [ "$left" -lt 60 ]; then say "no time for $variant"; continue; fi
@@ -138,6 +142,10 @@ case ${1:-ab} in
   stress)
     bench 470 prefill_stress benchmarks.prefill_stress --random-budget-s 330 --deadline-s 420 \
       --out "$OUT/prefill_stress.json" ;;
+  verify)  # the defaults' GPU paths first: attention (own keys, the all-rows merge, the
+    # gathered earlier keys), the engine's tokens, the memory profile, piecewise graphs, rope
+    pt 500 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py tests/gpu/test_memory_gpu.py \
+      tests/gpu/test_piecewise_gpu.py tests/gpu/test_norm_triton_gpu.py ;;
   suite)
     pt 540 tests/gpu --ignore=tests/gpu/test_engine_gpu.py --ignore=tests/gpu/test_piecewise_gpu.py \
       --ignore=tests/gpu/test_memory_gpu.py --ignore=tests/gpu/test_pdl_gpu.py ;;
@@ -166,7 +174,7 @@ case ${1:-ab} in
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, verify, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
 esac
 tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"
