@@ -145,7 +145,14 @@ case ${1:-ab} in
   verify)  # the defaults' GPU paths first: attention (own keys, the all-rows merge, the
     # gathered earlier keys), the engine's tokens, the memory profile, piecewise graphs, rope
     pt 500 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py tests/gpu/test_memory_gpu.py \
-      tests/gpu/test_piecewise_gpu.py tests/gpu/test_norm_triton_gpu.py ;;
+      tests/gpu/test_piecewise_gpu.py tests/gpu/test_norm_triton_gpu.py
+    # then issue 19's async batch-1 step with the defaults, profiled (kernel classes, idle)
+    left=$(( 545 - $(date +%s) + t0 ))
+    if [ "$big" = 1 ]; then tmodel=scout-fp8; else tmodel=scout-fp8-12; fi
+    if [ "$left" -ge 120 ]; then
+      bench "$left" tpot_profile benchmarks.overlap_decode --model $tmodel --kv-cache-dtype fp8 \
+        --batches 1 --new 64 --rounds 2 --profile --out "$OUT/tpot_profile"
+    else say "no time for the profiled step"; fi ;;
   suite)
     pt 540 tests/gpu --ignore=tests/gpu/test_engine_gpu.py --ignore=tests/gpu/test_piecewise_gpu.py \
       --ignore=tests/gpu/test_memory_gpu.py --ignore=tests/gpu/test_pdl_gpu.py ;;
