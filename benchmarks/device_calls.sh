@@ -11,6 +11,7 @@
 #   bash benchmarks/device_calls.sh ownkeys  # the step's own keys ragged (RAGGED_OWN_KEYS, and the
 #                                            # earlier keys gathered, RAGGED_EARLIER): GPU tests,
 #                                            # full-size prefill at 8k/32k off / on / gathered
+#   bash benchmarks/device_calls.sh earlier  # gathered vs paged earlier keys, alternated; memory tests
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
 #   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
@@ -52,7 +53,7 @@ pt() {  # pt LIMIT_S PYTEST_ARGS...
 bench() {  # bench LIMIT_S LOG_NAME MODULE ARGS...
   local limit=$1 log=$2; shift 2
   say "python -m $*"
-  timeout "$limit" python3 -m "$@" > "$OUT/$log.log" 2>&1
+  timeout "$limit" python3 -m "$@" >> "$OUT/$log.log" 2>&1
   echo "rc=$?"; grep -v '^\s*$' "$OUT/$log.log" | tail -16 | cut -c1-240
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv \
@@ -121,6 +122,22 @@ case ${1:-ab} in
         bench $(( left < 150 ? left : 150 )) "prefill_$variant" benchmarks.prefill_profile \
           --prompts 8192 32768 $pmodel --profile-steps 1 --out "$OUT/prefill_$variant" )
     done ;;
+  earlier)  # the gathered earlier keys (RAGGED_EARLIER) against the paged ones, alternated
+    # twice at 32k and 64k (one JSON each, so the call stays under the 8 files it brings
+    # back), then the memory and engine tests with it on
+    pmodel=""; [ "$big" = 1 ] || pmodel="--models scout-fp8-12"
+    for round in 1 2; do
+      for v in paged gathered; do
+        e=0; [ "$v" = gathered ] && e=1
+        # shellcheck disable=SC2086
+        CHUNKLOCAL_RAGGED_EARLIER=$e bench 120 earlier benchmarks.prefill_profile \
+          --prompts 32768 65536 $pmodel --profile-steps 0 --out "$OUT/earlier_${v}_$round"
+      done
+    done
+    left=$(( 560 - $(date +%s) + t0 ))
+    ( export CHUNKLOCAL_RAGGED_EARLIER=1
+      pt "$left" tests/gpu/test_memory_gpu.py tests/gpu/test_engine_gpu.py \
+        -k "memory or profile or tokens or reporter or logits" ) ;;
   tpot)  # issue 19's target, the async-scheduled batch-1 step: the defaults, the in-kernel
     # router, the 16-bit GEMV (q/k/v, o_proj and the LM head, which runs outside the graph),
     # one process each, alternated twice
@@ -181,8 +198,9 @@ case ${1:-ab} in
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, verify, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, verify, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
 esac
-tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
+# a call brings back at most 8 files: `earlier` leaves the kernels (the AOT ones suffice)
+[ "${1:-ab}" = earlier ] || tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
 say "done; kernels packed"
 grep -E "passed|failed|error" "$OUT/pytest-summaries.txt" 2>/dev/null
