@@ -131,7 +131,7 @@ case ${1:-ab} in
         e=0; [ "$v" = gathered ] && e=1
         # shellcheck disable=SC2086
         CHUNKLOCAL_RAGGED_EARLIER=$e bench 120 earlier benchmarks.prefill_profile \
-          --prompts 32768 65536 $pmodel --profile-steps 0 --out "$OUT/earlier_${v}_$round"
+          --prompts 32768 65536 $pmodel --profile-steps 1 --out "$OUT/earlier_${v}_$round"
       done
     done
     left=$(( 560 - $(date +%s) + t0 ))
