@@ -11,7 +11,8 @@
 #   bash benchmarks/device_calls.sh ownkeys  # the step's own keys ragged (RAGGED_OWN_KEYS, and the
 #                                            # earlier keys gathered, RAGGED_EARLIER): GPU tests,
 #                                            # full-size prefill at 8k/32k off / on / gathered
-#   bash benchmarks/device_calls.sh earlier  # gathered vs paged earlier keys, alternated; memory tests
+#   bash benchmarks/device_calls.sh earlier  # rope forms; gathered vs paged earlier keys, alternated;
+#                                            # memory and engine tests with them on
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
 #   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
@@ -122,15 +123,33 @@ case ${1:-ab} in
         bench $(( left < 150 ? left : 150 )) "prefill_$variant" benchmarks.prefill_profile \
           --prompts 8192 32768 $pmodel --profile-steps 1 --out "$OUT/prefill_$variant" )
     done ;;
-  earlier)  # the gathered earlier keys (RAGGED_EARLIER) against the paged ones, alternated
-    # twice at 32k and 64k (one JSON each, so the call stays under the 8 files it brings
-    # back), then the memory and engine tests with it on
+  earlier)  # issue 20's two prefill switches, off by default: the rope kernel's forms
+    # (ROPE_TILED, ROPE_VEC: GPU test, then each form's kernel time in an 8k prefill), the
+    # gathered earlier keys (RAGGED_EARLIER) against the paged ones alternated twice at 32k
+    # and 64k, then the memory and engine tests with them on.  At most 8 files come back:
+    # the rope runs leave their JSON out (their figures go to the log), no kernels packed.
     pmodel=""; [ "$big" = 1 ] || pmodel="--models scout-fp8-12"
+    export CHUNKLOCAL_TEST_LOG=/tmp/tests.log  # (a file fewer)
+    pt 90 tests/gpu/test_norm_triton_gpu.py -k rope
+    for v in one tiled vec; do
+      # shellcheck disable=SC2086
+      CHUNKLOCAL_ROPE_TILED=$([ $v = tiled ] && echo 1 || echo 0) \
+      CHUNKLOCAL_ROPE_VEC=$([ $v = vec ] && echo 1 || echo 0) \
+        bench 90 rope benchmarks.prefill_profile --prompts 8192 $pmodel --profile-steps 2 \
+          --out "/tmp/rope_$v"
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][-1]; \
+k=r['profile']['kernels_ms_per_step']; print('rope form', sys.argv[2], 'prefill_s', \
+round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel', -1), 3), \
+'busy ms/step', round(r['profile']['device_busy_ms_per_step'], 2))" \
+        "/tmp/rope_$v/prefill_profile.json" "$v" | tee -a "$OUT/rope.log"
+    done
     for round in 1 2; do
       for v in paged gathered; do
         e=0; [ "$v" = gathered ] && e=1
+        left=$(( 480 - $(date +%s) + t0 ))
+        if [ "$left" -lt 60 ]; then say "no time for $v round $round"; continue; fi
         # shellcheck disable=SC2086
-        CHUNKLOCAL_RAGGED_EARLIER=$e bench 120 earlier benchmarks.prefill_profile \
+        CHUNKLOCAL_RAGGED_EARLIER=$e bench 100 earlier benchmarks.prefill_profile \
           --prompts 32768 65536 $pmodel --profile-steps 1 --out "$OUT/earlier_${v}_$round"
       done
     done

@@ -163,12 +163,15 @@ def test_add_rms_norm_kernel_in_interpreter():
     run_in_interpreter(KERNEL_SCRIPT)
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["one-head", "tiled"])
+@pytest.mark.parametrize("tiled", [False, True, "vec"], ids=["one-head", "tiled", "vec"])
 def test_rope_qk_norm_kernel_in_interpreter(tiled):
     """``tiled``: ROPE_TILED with tiles of 4 heads, so the fused q + k launch's 6 heads
-    take a full tile and a masked one, and the split falls inside the second."""
+    take a full tile and a masked one, and the split falls inside the second; ``vec``:
+    the same tiles read and written as whole heads (ROPE_VEC)."""
     prefix = ("from chunklocal.models import norm_triton as _nt\n"
               "_nt.ROPE_TILED, _nt.ROPE_TILE_HEADS = True, 4\n") if tiled else ""
+    if tiled == "vec":
+        prefix += "_nt.ROPE_TILED, _nt.ROPE_VEC = False, True\n"
     run_in_interpreter(prefix + ROPE_SCRIPT)
 
 

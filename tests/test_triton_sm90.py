@@ -213,13 +213,14 @@ def test_norm_and_rope_kernels(recorded):
     freqs = torch.polar(torch.ones(3, 64), torch.zeros(3, 64))
     norm_triton.rope_norm_rows(x, freqs, 1e-6)
     norm_triton.rope_norm_rows(x, freqs, None)
-    tiled = norm_triton.ROPE_TILED
-    try:  # tiles of heads (CHUNKLOCAL_ROPE_TILED), q and k of one launch
-        norm_triton.ROPE_TILED = True
-        norm_triton.rope_norm_rows(torch.zeros(3, 48, 128, dtype=BF16), freqs, 1e-6, split=40)
+    tiled, vec = norm_triton.ROPE_TILED, norm_triton.ROPE_VEC
+    try:  # tiles of heads (CHUNKLOCAL_ROPE_TILED), q and k of one launch; whole heads (VEC)
+        for norm_triton.ROPE_TILED, norm_triton.ROPE_VEC in ((True, False), (False, True)):
+            norm_triton.rope_norm_rows(torch.zeros(3, 48, 128, dtype=BF16), freqs, 1e-6,
+                                       split=40)
     finally:
-        norm_triton.ROPE_TILED = tiled
-    compile_all(recorded["_rope_norm_kernel"], 3)
+        norm_triton.ROPE_TILED, norm_triton.ROPE_VEC = tiled, vec
+    compile_all(recorded["_rope_norm_kernel"], 4)
 
 
 def launch_every_kernel():

@@ -101,23 +101,35 @@ def scout_heads(tokens, seed):
             qkv[:, 40 * 128:48 * 128].view(tokens, 8, 128), freqs, qkv)
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["one-head", "tiled"])
+def rope_mode(monkeypatch, mode) -> None:
+    """One head a program (False), tiles of heads (True: ROPE_TILED), or tiles read and
+    written as whole heads ("vec": ROPE_VEC)."""
+    monkeypatch.setattr(norm_triton, "ROPE_TILED", mode is True)
+    monkeypatch.setattr(norm_triton, "ROPE_VEC", mode == "vec")
+
+
+@pytest.mark.parametrize("tiled", [False, True, "vec"], ids=["one-head", "tiled", "vec"])
 @pytest.mark.parametrize("tokens", [1, 64, 257])
 @pytest.mark.parametrize("eps", [1e-5, None])
 def test_rope_kernel_gives_torchs_heads(tokens, eps, tiled, monkeypatch):
     """``tiled``: CHUNKLOCAL_ROPE_TILED (16 heads a program; Scout's 40 query heads take
-    two full tiles and a masked one)."""
-    monkeypatch.setattr(norm_triton, "ROPE_TILED", tiled)
+    two full tiles and a masked one); ``vec`` (CHUNKLOCAL_ROPE_VEC): the same arithmetic
+    as one head a program, so the same bits."""
     q, k, freqs, _ = scout_heads(tokens, seed=tokens)
     for x in (q, k):
         monkeypatch.setattr(norm_triton, "NORM_ENABLED", False)
         want = rope_heads(x, freqs, eps)
         monkeypatch.setattr(norm_triton, "NORM_ENABLED", True)
+        rope_mode(monkeypatch, False)
+        one_head = rope_heads(x, freqs, eps)
+        rope_mode(monkeypatch, tiled)
         assert norm_triton.rope_available(x)
-        within_one_bf16_unit(rope_heads(x, freqs, eps), want, pair_magnitude(want))
+        got = rope_heads(x, freqs, eps)
+        within_one_bf16_unit(got, want, pair_magnitude(want))
+        assert torch.equal(got, one_head)
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["one-head", "tiled"])
+@pytest.mark.parametrize("tiled", [False, True, "vec"], ids=["one-head", "tiled", "vec"])
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_rope_of_queries_and_keys_in_one_launch(tokens, tiled, monkeypatch):
     """llama4.rope_qk: the fused projection's q and k heads in one launch, the bits of one
@@ -125,7 +137,7 @@ def test_rope_of_queries_and_keys_in_one_launch(tokens, tiled, monkeypatch):
     from chunklocal.models.llama4 import rope_qk
 
     monkeypatch.setattr(norm_triton, "NORM_ENABLED", True)
-    monkeypatch.setattr(norm_triton, "ROPE_TILED", tiled)
+    rope_mode(monkeypatch, tiled)
     q, k, freqs, _ = scout_heads(tokens, seed=5)
     calls, real = [], norm_triton.rope_norm_rows
     monkeypatch.setattr(norm_triton, "rope_norm_rows",

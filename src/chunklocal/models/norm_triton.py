@@ -53,6 +53,13 @@ MAX_HIDDEN = 16384  # one block holds a row: Llama-4's 5120 and 8192 fit with ro
 #: token's 512 bytes of cos / sin again.  Off until a GPU A/B.
 ROPE_TILED = os.environ.get("CHUNKLOCAL_ROPE_TILED", "0") == "1"
 ROPE_TILE_HEADS = 16
+#: Tiles of heads (as ``ROPE_TILED``) read and written as whole contiguous heads, the
+#: (re, im) pairs split and joined in registers (``CHUNKLOCAL_ROPE_VEC=1``, ``--switches
+#: rope_vec``): 16-byte accesses where the pair-strided loads and stores move 2 bytes each.
+#: The tiled form measured no faster than one head a program (H100, 29th session, 8k and
+#: 32k prefill), so the per-program count was not what held the kernel at 7x its bytes;
+#: this form tests the access width.  Off until a GPU A/B.
+ROPE_VEC = os.environ.get("CHUNKLOCAL_ROPE_VEC", "0") == "1"
 
 
 def norm_available(x: torch.Tensor) -> bool:
@@ -111,7 +118,7 @@ if triton is not None:
     def _rope_norm_kernel(x_ptr, f_ptr, out_ptr, out2_ptr, eps, heads, split, stride_xt,
                           stride_xh, stride_ft, stride_ot, stride_oh, stride_o2t, stride_o2h,
                           HALF: tl.constexpr, HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
-                          PDL: tl.constexpr):
+                          VEC: tl.constexpr, PDL: tl.constexpr):
         # program (t, g): token t's heads [g * HEADS, (g + 1) * HEADS), a [HEADS, HALF]
         # tile of (re, im) pairs; the token's cos / sin loaded once for all of them
         pdl_start(PDL)
@@ -119,11 +126,20 @@ if triton is not None:
         h = tl.program_id(1).to(tl.int64) * HEADS + tl.arange(0, HEADS).to(tl.int64)
         pair = tl.arange(0, HALF) * 2
         live = (h < heads)[:, None]
-        src = x_ptr + t * stride_xt + h[:, None] * stride_xh + pair[None, :]
-        x_re = tl.load(src, mask=live, other=0.0)
-        x_im = tl.load(src + 1, mask=live, other=0.0).to(tl.float32)
-        cos = tl.load(f_ptr + t * stride_ft + pair)[None, :]
-        sin = tl.load(f_ptr + t * stride_ft + pair + 1)[None, :]
+        if VEC:  # whole heads, contiguous; the pairs split in registers
+            dims = tl.arange(0, 2 * HALF)
+            x = tl.load(x_ptr + t * stride_xt + h[:, None] * stride_xh + dims[None, :],
+                        mask=live, other=0.0)
+            x_re, x_im = tl.split(tl.reshape(x, (HEADS, HALF, 2)))
+            x_im = x_im.to(tl.float32)
+            cos, sin = tl.split(tl.reshape(tl.load(f_ptr + t * stride_ft + dims), (HALF, 2)))
+            cos, sin = cos[None, :], sin[None, :]
+        else:
+            src = x_ptr + t * stride_xt + h[:, None] * stride_xh + pair[None, :]
+            x_re = tl.load(src, mask=live, other=0.0)
+            x_im = tl.load(src + 1, mask=live, other=0.0).to(tl.float32)
+            cos = tl.load(f_ptr + t * stride_ft + pair)[None, :]
+            sin = tl.load(f_ptr + t * stride_ft + pair + 1)[None, :]
         re = x_re.to(tl.float32) * cos - x_im * sin
         im = x_re.to(tl.float32) * sin + x_im * cos
         re = re.to(x_re.dtype).to(tl.float32)  # _rotate's type_as
@@ -135,11 +151,14 @@ if triton is not None:
             im = im * inv
         # heads [0, split) to out, the rest to out2 (q and k of one launch)
         first = (h < split)[:, None]
-        dst = tl.where(first, out_ptr + t * stride_ot + h[:, None] * stride_oh,
-                       out2_ptr + t * stride_o2t + (h[:, None] - split) * stride_o2h) \
-            + pair[None, :]
-        tl.store(dst, re.to(x_re.dtype), mask=live)
-        tl.store(dst + 1, im.to(x_re.dtype), mask=live)
+        head_dst = tl.where(first, out_ptr + t * stride_ot + h[:, None] * stride_oh,
+                            out2_ptr + t * stride_o2t + (h[:, None] - split) * stride_o2h)
+        if VEC:
+            both = tl.reshape(tl.join(re.to(x_re.dtype), im.to(x_re.dtype)), (HEADS, 2 * HALF))
+            tl.store(head_dst + tl.arange(0, 2 * HALF)[None, :], both, mask=live)
+        else:
+            tl.store(head_dst + pair[None, :], re.to(x_re.dtype), mask=live)
+            tl.store(head_dst + pair[None, :] + 1, im.to(x_re.dtype), mask=live)
 
 
 def rope_available(x: torch.Tensor) -> bool:
@@ -170,10 +189,12 @@ def rope_norm_rows(x: torch.Tensor, freqs_cis: torch.Tensor, eps: float | None,
     if freqs.stride(-1) != 1 or freqs.stride(-2) != 2:
         freqs = freqs.contiguous()
     if tokens and heads:
-        tile = min(ROPE_TILE_HEADS, triton.next_power_of_2(heads)) if ROPE_TILED else 1
+        tiled = ROPE_TILED or ROPE_VEC
+        tile = min(ROPE_TILE_HEADS, triton.next_power_of_2(heads)) if tiled else 1
         _rope_norm_kernel[(tokens, triton.cdiv(heads, tile))](
             x, freqs, out, out2, 0.0 if eps is None else float(eps), heads, first,
             x.stride(0), x.stride(1), freqs.stride(0), out.stride(0), out.stride(1),
             out2.stride(0), out2.stride(1), HALF=head_dim // 2, HEADS=tile,
-            HAS_NORM=eps is not None, num_warps=4 if tile > 1 else 1, **pdl_args(x))
+            HAS_NORM=eps is not None, VEC=ROPE_VEC, num_warps=4 if tile > 1 else 1,
+            **pdl_args(x))
     return out if split is None else (out, out2)
