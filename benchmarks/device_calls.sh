@@ -146,14 +146,14 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
     for round in 1 2; do
       for v in paged gathered; do
         e=0; [ "$v" = gathered ] && e=1
-        left=$(( 480 - $(date +%s) + t0 ))
+        left=$(( ${CALL_S:-560} - 80 - $(date +%s) + t0 ))
         if [ "$left" -lt 60 ]; then say "no time for $v round $round"; continue; fi
         # shellcheck disable=SC2086
         CHUNKLOCAL_RAGGED_EARLIER=$e bench 100 earlier benchmarks.prefill_profile \
           --prompts 32768 65536 $pmodel --profile-steps 1 --out "$OUT/earlier_${v}_$round"
       done
     done
-    left=$(( 560 - $(date +%s) + t0 ))
+    left=$(( ${CALL_S:-560} - $(date +%s) + t0 ))  # CALL_S: the call's own limit
     ( export CHUNKLOCAL_RAGGED_EARLIER=1
       pt "$left" tests/gpu/test_memory_gpu.py tests/gpu/test_engine_gpu.py \
         -k "memory or profile or tokens or reporter or logits" ) ;;
