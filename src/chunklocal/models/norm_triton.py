@@ -56,9 +56,12 @@ ROPE_TILE_HEADS = 16
 #: Tiles of heads (as ``ROPE_TILED``) read and written as whole contiguous heads, the
 #: (re, im) pairs split and joined in registers (``CHUNKLOCAL_ROPE_VEC=1``, ``--switches
 #: rope_vec``): 16-byte accesses where the pair-strided loads and stores move 2 bytes each.
-#: The tiled form measured no faster than one head a program (H100, 29th session, 8k and
-#: 32k prefill), so the per-program count was not what held the kernel at 7x its bytes;
-#: this form tests the access width.  Off until a GPU A/B.
+#: The same operations; the tile's float32 sum and the compiler's FMA contraction may
+#: differ from one head a program in the last float32 bit (as both do from torch's), so a
+#: bf16 output may differ by one unit.  H100, 29th session, a 12-layer 8k prefill step: the
+#: kernel 4.27 ms (one head a program) and 4.49 (tiled) against **0.62 ms** here.  Off until
+#: the GPU tests' torch comparison and the engine's tokens pass with it (the first run's
+#: failures were the test's own bit-equality claim, now removed).
 ROPE_VEC = os.environ.get("CHUNKLOCAL_ROPE_VEC", "0") == "1"
 
 

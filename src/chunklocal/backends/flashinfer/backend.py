@@ -109,8 +109,11 @@ RAGGED_OWN_KEYS = os.environ.get("CHUNKLOCAL_RAGGED_OWN_KEYS", "1") == "1"
 #: steps on global layers (a 1M-token prompt's: all but 8k of 1M), and the paged kernel
 #: that reads them now (FA2) ran at about 45% of the matmul rate where the ragged FA3
 #: kernel ran at 76-82% (27th and 28th sessions); the copy is one read and write of K and V,
-#: small beside 2 x 128+ rows of FLOPs per key.  Off until a GPU test and prefill A/B.
-RAGGED_EARLIER = os.environ.get("CHUNKLOCAL_RAGGED_EARLIER", "0") == "1"
+#: small beside 2 x 128+ rows of FLOPs per key.  On by default since the 29th session
+#: (an H100, 12 of Scout FP8's layers, alternated twice: a 32k prompt 0.934x, 64k 0.865x
+#: of the paged reads; its kernel, memory and engine GPU tests passed);
+#: ``CHUNKLOCAL_RAGGED_EARLIER=0`` turns it off.
+RAGGED_EARLIER = os.environ.get("CHUNKLOCAL_RAGGED_EARLIER", "1") == "1"
 #: Queries a segment needs for its earlier keys to be gathered: one FA3 tile of rows.
 #: Shorter segments (decodes in a mixed step) read each key once either way, and the copy
 #: would double that traffic.
