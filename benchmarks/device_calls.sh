@@ -8,9 +8,9 @@
 #   bash benchmarks/device_calls.sh replan   # decode graphs re-planned each step (GRAPH_REPLAN):
 #                                            # the batch-1 A/B at a 131k limit, graph and token tests
 #   bash benchmarks/device_calls.sh combo    # ab2 + replan in one call (router and re-plan on together)
-#   bash benchmarks/device_calls.sh ownkeys  # the step's own keys ragged (RAGGED_OWN_KEYS, and the
-#                                            # earlier keys gathered, RAGGED_EARLIER): GPU tests,
-#                                            # full-size prefill at 8k/32k off / on / gathered
+#   bash benchmarks/device_calls.sh ownkeys  # issue 20's prefill: GPU tests, then 8k/32k for the
+#                                            # defaults, ROPE_VEC, MOE_COMBINE_RANKED, both, own
+#                                            # keys off, paged earlier keys (PREFILL_VARIANTS)
 #   bash benchmarks/device_calls.sh earlier  # rope forms; gathered vs paged earlier keys, alternated;
 #                                            # memory and engine tests with them on
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
@@ -104,25 +104,30 @@ case ${1:-ab} in
     ( export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 CHUNKLOCAL_GRAPH_REPLAN=1
       pt 320 tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_triton_gpu.py \
         tests/gpu/test_flashinfer.py -k "gemv or oracle or tokens or graph" ) ;;
-  ownkeys)  # issue 20 item 4 in the engine: the GPU tests (own keys on by default since the
-    # 28th session; the gathered earlier keys, RAGGED_EARLIER, too), then the prefill A/B:
-    # own keys off, on (paged earlier keys), on with the earlier keys gathered
+  ownkeys)  # issue 20's prefill: the GPU tests (OWNKEYS_TESTS=0 skips them), then the
+    # prefill at 8k and 32k, one process a variant, in order of what they decide: the
+    # defaults (own keys ragged, earlier keys gathered), the whole-head rope (ROPE_VEC), the
+    # ranked combine (MOE_COMBINE_RANKED), both, then own keys off and the paged earlier keys
     pmodel=""; [ "$big" = 1 ] || pmodel="--models scout-fp8-12"
-    if [ "${OWNKEYS_TESTS:-1}" = 1 ]; then  # OWNKEYS_TESTS=0 after a `verify` call ran them
+    if [ "${OWNKEYS_TESTS:-1}" = 1 ]; then
       pt 200 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits"
-      pt 60 tests/gpu/test_norm_triton_gpu.py -k rope  # the tiled rope kernel (ROPE_TILED)
+      pt 90 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py -k "rope or ranked"
     fi
-    for variant in own0 own1 gathered rope; do
+    for variant in ${PREFILL_VARIANTS:-defaults vec combine both own0 paged}; do
       left=$(( 545 - $(date +%s) + t0 ))
       if [ "$left" -lt 60 ]; then say "no time for $variant"; continue; fi
       ( case $variant in own0) export CHUNKLOCAL_RAGGED_OWN_KEYS=0 ;;
-                         own1) export CHUNKLOCAL_RAGGED_OWN_KEYS=1 CHUNKLOCAL_RAGGED_EARLIER=0 ;;
-                         gathered) export CHUNKLOCAL_RAGGED_OWN_KEYS=1 CHUNKLOCAL_RAGGED_EARLIER=1 ;;
-                         rope) export CHUNKLOCAL_RAGGED_OWN_KEYS=1 CHUNKLOCAL_ROPE_TILED=1 ;; esac
+                         paged) export CHUNKLOCAL_RAGGED_EARLIER=0 ;;
+                         vec) export CHUNKLOCAL_ROPE_VEC=1 ;;
+                         combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
+                         both) export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;; esac
         # shellcheck disable=SC2086
-        bench $(( left < 150 ? left : 150 )) "prefill_$variant" benchmarks.prefill_profile \
-          --prompts 8192 32768 $pmodel --profile-steps 1 --out "$OUT/prefill_$variant" )
-    done ;;
+        echo "== variant $variant" >> "$OUT/prefill.log"
+        bench $(( left < 150 ? left : 150 )) prefill benchmarks.prefill_profile \
+          --prompts 8192 32768 $pmodel --profile-steps 1 --out "/tmp/pj/prefill_$variant" )
+    done
+    # one archive: a call brings back at most 8 files
+    tar czf "$OUT/prefill_json.tgz" -C /tmp pj 2>/dev/null ;;
   earlier)  # issue 20's two prefill switches, off by default: the rope kernel's forms
     # (ROPE_TILED, ROPE_VEC: GPU test, then each form's kernel time in an 8k prefill), the
     # gathered earlier keys (RAGGED_EARLIER) against the paged ones alternated twice at 32k

@@ -216,6 +216,20 @@ SCRIPT = textwrap.dedent("""
             # float32 scores: Triton's sigmoid may differ by an ulp, and the expert's input
             # with it
             torch.testing.assert_close(fused_on, off, rtol=1e-5, atol=1e-6)
+        # pairs past the kernels' bounds (torch sorts): combined by rank (COMBINE_RANKED)
+        # or scattered back and summed, the same bits (one add of two slots)
+        x = torch.randn(route_triton.MAX_WIDE_PAIRS, 64)
+        route_triton.ROUTE_ENABLED, route_triton.FUSED_ENABLED = True, True
+        assert not routing.COMBINE_RANKED  # off by default
+        calls, real = [], route_triton.combine_rows
+        route_triton.combine_rows = lambda *a: calls.append(1) or real(*a)
+        scattered = layer(x)
+        assert calls == []
+        routing.COMBINE_RANKED = True
+        ranked = layer(x)
+        routing.COMBINE_RANKED = False
+        route_triton.combine_rows = real
+        assert calls == [1] and torch.equal(ranked, scattered)
         # the router's GEMM in the launch too: the same block to float32's rounding
         x = torch.randn(7, 64)
         route_triton.FUSED_ENABLED, route_triton.ROUTER_IN_KERNEL = True, True

@@ -306,3 +306,25 @@ def test_router_gemm_in_the_routing_launch_on_the_gpu(tokens, shared):
     ulps = (got[3].float() - want[3].float()).abs() / (2.0 ** -7 * want[3].float().abs())
     assert float(ulps.max()) <= 2 and torch.equal(replayed[3], got[3]), ulps
     assert not moe_triton._TILE_COUNTERS[x.device].any()
+
+
+@pytest.mark.parametrize("mode", ["stacked", "separate"])
+@torch.no_grad()
+def test_torch_sorted_pairs_combined_by_rank_give_the_same_bits(mode, monkeypatch):
+    """routing.COMBINE_RANKED: a prefill-sized step (pairs past the routing kernels'
+    bounds, so torch sorts) combined by route_triton.combine_rows with the inverse of
+    torch's order, against the scatter back to pair order and the sum over the slots:
+    one float32 add of two slots and one rounding either way, so the same bits."""
+    from chunklocal.models import route_triton, routing
+
+    _, ours = make_pair(16, 1, mode)
+    x = torch.randn(2048, HIDDEN, device="cuda", dtype=BF16)
+    calls, real = [], route_triton.combine_rows
+    monkeypatch.setattr(route_triton, "combine_rows", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(routing, "COMBINE_RANKED", False)
+    scattered = ours(x)
+    assert calls == []
+    monkeypatch.setattr(routing, "COMBINE_RANKED", True)
+    ranked = ours(x)
+    assert calls == [1]
+    assert torch.equal(ranked, scattered)

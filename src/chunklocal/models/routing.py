@@ -36,6 +36,14 @@ import chunklocal.models.route_triton as route_triton
 #: logits (the router GEMM still runs) and stay on the device, so CUDA graphs capture them.
 ROUTING_SIMULATION_STRATEGIES = ("", "uniform_random", "balanced")
 ROUTING_SIMULATION = os.environ.get("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY", "")
+#: Pairs sorted by torch (prefill steps: past route_triton's pair bounds) combined by
+#: route_triton.combine_rows too, their ``rank`` the inverse of ``order`` (one scatter of
+#: P integers): one read of the rows and one write, where the scatter back to pair order
+#: and the sum over the slots move them twice (a 12-layer 8k prefill step on an H100, 29th
+#: session: that ``index_copy_`` 1.7 ms and the add 0.9 ms).  The same bits for two slots
+#: (one float32 add, one rounding).  ``CHUNKLOCAL_MOE_COMBINE_RANKED=1``, ``--switches
+#: combine_ranked``; off until a GPU A/B.
+COMBINE_RANKED = os.environ.get("CHUNKLOCAL_MOE_COMBINE_RANKED", "0") == "1"
 if ROUTING_SIMULATION not in ROUTING_SIMULATION_STRATEGIES:
     raise ValueError("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY must be one of "
                      f"{', '.join(map(repr, ROUTING_SIMULATION_STRATEGIES))}, got "
@@ -143,8 +151,12 @@ def combine(rows: torch.Tensor, order: torch.Tensor, rank: torch.Tensor | None,
     expert order (row ``i`` is pair ``order[i]``).  One kernel with ``rank`` where it runs
     (route_triton.combine_rows); else a scatter back to pair order and a sum over slots.
     ``drop [T, slots]``: pairs whose rows are unspecified (another rank's experts), zero."""
-    if rank is not None and drop is None and route_triton.combine_available(rows):
-        return route_triton.combine_rows(rows, rank, tokens, slots)
+    if drop is None and route_triton.combine_available(rows):
+        if rank is None and COMBINE_RANKED:  # torch sorted: the rows of pairs 0..P-1
+            rank = torch.empty_like(order).scatter_(
+                0, order, torch.arange(order.shape[0], device=order.device))
+        if rank is not None:
+            return route_triton.combine_rows(rows, rank, tokens, slots)
     per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
     if drop is not None:
         per_slot = per_slot.masked_fill(drop.reshape(-1, 1), 0)
