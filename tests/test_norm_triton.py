@@ -175,5 +175,9 @@ def test_rope_qk_norm_kernel_in_interpreter(tiled):
     run_in_interpreter(prefix + ROPE_SCRIPT)
 
 
-def test_engine_tokens_unchanged_with_the_kernels_in_interpreter():
-    run_in_interpreter(ENGINE_SCRIPT)
+@pytest.mark.parametrize("rope_vec", [False, True], ids=["one-head", "vec"])
+def test_engine_tokens_unchanged_with_the_kernels_in_interpreter(rope_vec):
+    """``vec``: the rope kernel over whole heads (ROPE_VEC) in the engine's steps."""
+    prefix = ("from chunklocal.models import norm_triton as _nt\n_nt.ROPE_VEC = True\n"
+              if rope_vec else "")
+    run_in_interpreter(prefix + ENGINE_SCRIPT)
