@@ -71,8 +71,10 @@ ab_tokens() {  # the engine's tokens with the in-kernel router on (PDL and the G
     pt "$1" tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_fp8_triton_gpu.py \
       -k "gemv or oracle or tokens" )
 }
-if [ "$big" = 1 ]; then model="--model scout-fp8 --repeats 3"
-else model="--model scout-fp8-12 --repeats 4"; fi
+# full-size Scout FP8 where it fits (the H200), else 12 of its layers: switch_ab's
+# arguments, the model of the decode benchmarks, prefill_profile's --models
+if [ "$big" = 1 ]; then model="--model scout-fp8 --repeats 3"; tmodel=scout-fp8; pmodel=""
+else model="--model scout-fp8-12 --repeats 4"; tmodel=scout-fp8-12; pmodel="--models scout-fp8-12"; fi
 case ${1:-ab} in
   ab)
     case $cold in 0) first=140 ;; aot) first=180 ;; *) first=230 ;; esac
@@ -108,7 +110,6 @@ case ${1:-ab} in
     # prefill at 8k and 32k, one process a variant, in order of what they decide: the
     # defaults (own keys ragged, earlier keys gathered), the whole-head rope (ROPE_VEC), the
     # ranked combine (MOE_COMBINE_RANKED), both, then own keys off and the paged earlier keys
-    pmodel=""; [ "$big" = 1 ] || pmodel="--models scout-fp8-12"
     if [ "${OWNKEYS_TESTS:-1}" = 1 ]; then
       pt 200 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits"
       pt 90 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py -k "rope or ranked"
@@ -121,8 +122,8 @@ case ${1:-ab} in
                          vec) export CHUNKLOCAL_ROPE_VEC=1 ;;
                          combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
                          both) export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;; esac
-        # shellcheck disable=SC2086
         echo "== variant $variant" >> "$OUT/prefill.log"
+        # shellcheck disable=SC2086
         bench $(( left < 150 ? left : 150 )) prefill benchmarks.prefill_profile \
           --prompts 8192 32768 $pmodel --profile-steps 1 --out "/tmp/pj/prefill_$variant" )
     done
@@ -133,7 +134,6 @@ case ${1:-ab} in
     # gathered earlier keys (RAGGED_EARLIER) against the paged ones alternated twice at 32k
     # and 64k, then the memory and engine tests with them on.  At most 8 files come back:
     # the rope runs leave their JSON out (their figures go to the log), no kernels packed.
-    pmodel=""; [ "$big" = 1 ] || pmodel="--models scout-fp8-12"
     export CHUNKLOCAL_TEST_LOG=/tmp/tests.log  # (a file fewer)
     pt 90 tests/gpu/test_norm_triton_gpu.py -k rope
     for v in one tiled vec; do
@@ -165,7 +165,6 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
   tpot)  # issue 19's target, the async-scheduled batch-1 step: the defaults, the in-kernel
     # router, the 16-bit GEMV (q/k/v, o_proj and the LM head, which runs outside the graph),
     # one process each, alternated twice
-    if [ "$big" = 1 ]; then tmodel=scout-fp8; else tmodel=scout-fp8-12; fi
     for round in 1 2; do
       for v in ${TPOT_VARIANTS:-defaults router gemv16}; do
         left=$(( 545 - $(date +%s) + t0 ))
@@ -189,7 +188,6 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       tests/gpu/test_piecewise_gpu.py tests/gpu/test_norm_triton_gpu.py
     # then issue 19's async batch-1 step with the defaults, profiled (kernel classes, idle)
     left=$(( 545 - $(date +%s) + t0 ))
-    if [ "$big" = 1 ]; then tmodel=scout-fp8; else tmodel=scout-fp8-12; fi
     if [ "$left" -ge 120 ]; then
       bench "$left" tpot_profile benchmarks.overlap_decode --model $tmodel --kv-cache-dtype fp8 \
         --batches 1 --new 64 --rounds 2 --profile --out "$OUT/tpot_profile"

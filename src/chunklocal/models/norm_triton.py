@@ -50,7 +50,8 @@ MAX_HIDDEN = 16384  # one block holds a row: Llama-4's 5120 and 8192 fit with ro
 #: heads, four warps a program.  One head a program (the default) was 4.3 ms of a
 #: 12-layer 8k prefill step on the H100 (28th session) for 9 launches of 8192 x 48 heads:
 #: about 7x the bytes it moves at the copy rate, 393k one-warp programs each reading the
-#: token's 512 bytes of cos / sin again.  Off until a GPU A/B.
+#: token's 512 bytes of cos / sin again.  Measured no faster (29th session: 4.49 ms), so
+#: off; :data:`ROPE_VEC` keeps its tiles and changes the access width.
 ROPE_TILED = os.environ.get("CHUNKLOCAL_ROPE_TILED", "0") == "1"
 ROPE_TILE_HEADS = 16
 #: Tiles of heads (as ``ROPE_TILED``) read and written as whole contiguous heads, the
