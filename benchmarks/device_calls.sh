@@ -11,6 +11,7 @@
 #   bash benchmarks/device_calls.sh ownkeys  # issue 20's prefill: GPU tests, then 8k/32k for the
 #                                            # defaults, ROPE_VEC, MOE_COMBINE_RANKED, both, own
 #                                            # keys off, paged earlier keys (PREFILL_VARIANTS)
+#   bash benchmarks/device_calls.sh vecrank  # ROPE_VEC + MOE_COMBINE_RANKED: tests, tokens, prefill A/B
 #   bash benchmarks/device_calls.sh earlier  # rope forms; gathered vs paged earlier keys, alternated;
 #                                            # memory and engine tests with them on
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
@@ -75,6 +76,23 @@ ab_tokens() {  # the engine's tokens with the in-kernel router on (PDL and the G
 # arguments, the model of the decode benchmarks, prefill_profile's --models
 if [ "$big" = 1 ]; then model="--model scout-fp8 --repeats 3"; tmodel=scout-fp8; pmodel=""
 else model="--model scout-fp8-12 --repeats 4"; tmodel=scout-fp8-12; pmodel="--models scout-fp8-12"; fi
+prefill_variants() {  # prefill_variants "VARIANTS": 8k and 32k prefill, one process a variant,
+  # until 545 s into the call; one JSON archive (a call brings back at most 8 files)
+  for variant in $1; do
+    left=$(( 545 - $(date +%s) + t0 ))
+    if [ "$left" -lt 60 ]; then say "no time for $variant"; continue; fi
+    ( case $variant in own0) export CHUNKLOCAL_RAGGED_OWN_KEYS=0 ;;
+                       paged) export CHUNKLOCAL_RAGGED_EARLIER=0 ;;
+                       vec) export CHUNKLOCAL_ROPE_VEC=1 ;;
+                       combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
+                       both) export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;; esac
+      echo "== variant $variant" >> "$OUT/prefill.log"
+      # shellcheck disable=SC2086
+      bench $(( left < 150 ? left : 150 )) prefill benchmarks.prefill_profile \
+        --prompts 8192 32768 $pmodel --profile-steps 1 --out "/tmp/pj/prefill_$variant" )
+  done
+  tar czf "$OUT/prefill_json.tgz" -C /tmp pj 2>/dev/null
+}
 case ${1:-ab} in
   ab)
     case $cold in 0) first=140 ;; aot) first=180 ;; *) first=230 ;; esac
@@ -114,21 +132,14 @@ case ${1:-ab} in
       pt 200 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits"
       pt 90 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py -k "rope or ranked"
     fi
-    for variant in ${PREFILL_VARIANTS:-defaults vec combine both own0 paged}; do
-      left=$(( 545 - $(date +%s) + t0 ))
-      if [ "$left" -lt 60 ]; then say "no time for $variant"; continue; fi
-      ( case $variant in own0) export CHUNKLOCAL_RAGGED_OWN_KEYS=0 ;;
-                         paged) export CHUNKLOCAL_RAGGED_EARLIER=0 ;;
-                         vec) export CHUNKLOCAL_ROPE_VEC=1 ;;
-                         combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
-                         both) export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;; esac
-        echo "== variant $variant" >> "$OUT/prefill.log"
-        # shellcheck disable=SC2086
-        bench $(( left < 150 ? left : 150 )) prefill benchmarks.prefill_profile \
-          --prompts 8192 32768 $pmodel --profile-steps 1 --out "/tmp/pj/prefill_$variant" )
-    done
-    # one archive: a call brings back at most 8 files
-    tar czf "$OUT/prefill_json.tgz" -C /tmp pj 2>/dev/null ;;
+    prefill_variants "${PREFILL_VARIANTS:-defaults vec combine both own0 paged}" ;;
+  vecrank)  # issue 20's two prefill switches (ROPE_VEC, MOE_COMBINE_RANKED), off by default:
+    # their kernel tests, the engine's tokens with both on, then the prefill with both
+    # against the defaults (VECRANK_VARIANTS)
+    pt 120 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py -k "rope or ranked"
+    ( export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1
+      pt 200 tests/gpu/test_engine_gpu.py -k "tokens or reporter or logits" )
+    prefill_variants "${VECRANK_VARIANTS:-both defaults}" ;;
   earlier)  # issue 20's two prefill switches, off by default: the rope kernel's forms
     # (ROPE_TILED, ROPE_VEC: GPU test, then each form's kernel time in an 8k prefill), the
     # gathered earlier keys (RAGGED_EARLIER) against the paged ones alternated twice at 32k
@@ -220,7 +231,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, verify, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, verify, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
 esac
 # a call brings back at most 8 files: `earlier` leaves the kernels (the AOT ones suffice)
 [ "${1:-ab}" = earlier ] || tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
