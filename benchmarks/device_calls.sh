@@ -11,7 +11,8 @@
 #   bash benchmarks/device_calls.sh ownkeys  # issue 20's prefill: GPU tests, then 8k/32k for the
 #                                            # defaults, ROPE_VEC, MOE_COMBINE_RANKED, both, own
 #                                            # keys off, paged earlier keys (PREFILL_VARIANTS)
-#   bash benchmarks/device_calls.sh vecrank  # ROPE_VEC + MOE_COMBINE_RANKED: tests, tokens, prefill A/B
+#   bash benchmarks/device_calls.sh vecrank  # ROPE_VEC, MOE_COMBINE_RANKED, SHARED_SILU_QUANT: tests,
+#                                            # tokens, prefill A/B
 #   bash benchmarks/device_calls.sh earlier  # rope forms; gathered vs paged earlier keys, alternated;
 #                                            # memory and engine tests with them on
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
@@ -85,7 +86,10 @@ prefill_variants() {  # prefill_variants "VARIANTS": 8k and 32k prefill, one pro
                        paged) export CHUNKLOCAL_RAGGED_EARLIER=0 ;;
                        vec) export CHUNKLOCAL_ROPE_VEC=1 ;;
                        combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
-                       both) export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;; esac
+                       both) export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
+                       shared) export CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
+                       all) export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 \
+                              CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;; esac
       echo "== variant $variant" >> "$OUT/prefill.log"
       # shellcheck disable=SC2086
       bench $(( left < 150 ? left : 150 )) prefill benchmarks.prefill_profile \
@@ -133,13 +137,15 @@ case ${1:-ab} in
       pt 90 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py -k "rope or ranked"
     fi
     prefill_variants "${PREFILL_VARIANTS:-defaults vec combine both own0 paged}" ;;
-  vecrank)  # issue 20's two prefill switches (ROPE_VEC, MOE_COMBINE_RANKED), off by default:
-    # their kernel tests, the engine's tokens with both on, then the prefill with both
-    # against the defaults (VECRANK_VARIANTS)
-    pt 120 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py -k "rope or ranked"
-    ( export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1
+  vecrank)  # issue 20's three prefill switches (ROPE_VEC, MOE_COMBINE_RANKED with the shared
+    # expert's add, MOE_SHARED_SILU_QUANT), off by default: their kernel and FP8 token tests,
+    # the engine's tokens with all three on, then the prefill with all three against the
+    # defaults (VECRANK_VARIANTS)
+    pt 150 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_fp8_gpu.py \
+      -k "rope or ranked or SHARED_SILU"
+    ( export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1
       pt 200 tests/gpu/test_engine_gpu.py -k "tokens or reporter or logits" )
-    prefill_variants "${VECRANK_VARIANTS:-both defaults}" ;;
+    prefill_variants "${VECRANK_VARIANTS:-all defaults}" ;;
   earlier)  # issue 20's two prefill switches, off by default: the rope kernel's forms
     # (ROPE_TILED, ROPE_VEC: GPU test, then each form's kernel time in an 8k prefill), the
     # gathered earlier keys (RAGGED_EARLIER) against the paged ones alternated twice at 32k

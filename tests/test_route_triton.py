@@ -182,10 +182,24 @@ SCRIPT = textwrap.dedent("""
                     per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
                     want = per_slot.view(tokens, slots, hidden).sum(1)
                     got = route_triton.combine_rows(rows, rank, tokens, slots)
+                    # with the shared expert's rows added: torch's ``addend + sum``, the
+                    # sum rounded first (float16: a second rounding the kernel must keep)
+                    addend = torch.randn(tokens, hidden, generator=gen).to(dtype)
+                    got_added = route_triton.combine_rows(rows, rank, tokens, slots, addend)
                     if slots <= 2:  # one float32 add, one rounding: torch's bits
                         assert torch.equal(got, want), (slots, tokens, hidden, dtype)
+                        assert torch.equal(got_added, addend + want), (slots, tokens, hidden)
                     else:
                         torch.testing.assert_close(got, want)
+                        torch.testing.assert_close(got_added, addend + want)
+    for bad in (torch.zeros(3, 8), torch.zeros(2, 8, dtype=torch.float16),
+                torch.zeros(8, 2).t()):
+        try:
+            route_triton.combine_rows(torch.zeros(4, 8), torch.arange(4), 2, 2, bad)
+        except ValueError as err:
+            assert "addend must be [2, 8]" in str(err), err
+        else:
+            raise AssertionError(f"addend {tuple(bad.shape)} {bad.dtype} taken")
 
     # the switch and the size bound
     route_triton.ROUTE_ENABLED = False

@@ -322,7 +322,11 @@ def test_fused_routing_kernels(recorded):
     for tokens, slots in ((1, 2), (64, 1)):
         route_triton.combine_rows(torch.zeros(tokens * slots, 5120, dtype=BF16),
                                   torch.zeros(tokens * slots, dtype=torch.int64), tokens, slots)
-    compile_all(recorded["_combine_kernel"], 2)
+    # the shared expert's rows added in (COMBINE_RANKED's prefill steps, one slot)
+    route_triton.combine_rows(torch.zeros(64, 5120, dtype=BF16),
+                              torch.zeros(64, dtype=torch.int64), 64, 1,
+                              torch.zeros(64, 5120, dtype=BF16))
+    compile_all(recorded["_combine_kernel"], 3)
     # the router's GEMM in the launch: bf16 rows of Scout's hidden size, 16 and 128 experts
     for tokens, experts, shared, offset in ((1, 16, True, None), (64, 16, False, 5),
                                             (8, 128, True, None)):

@@ -305,14 +305,16 @@ def test_fp8_tokens_match_the_fake_quant_oracle_on_a_trained_model(trained, tmp_
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("switch,kernel", [("GATHER_QUANT", "quantize_rows"),
-                                           ("SILU_QUANT", "silu_mul_quantize")])
+                                           ("SILU_QUANT", "silu_mul_quantize"),
+                                           ("SHARED_SILU_QUANT", "silu_mul_quantize")])
 @torch.inference_mode()
 def test_fp8_tokens_equal_with_the_moe_fused_quantization(trained, tmp_path, graphs, switch,
                                                           kernel, monkeypatch):
     """moe.GATHER_QUANT / SILU_QUANT (on by default): the routed tokens gathered, scaled
     and quantized by one kernel, or the experts' ``silu(gate) * up`` made and quantized by
     one, give the tokens of the separate kernels (the switch off), on decode steps (the
-    split-K kernel) and prefill steps (torch's grouped GEMM)."""
+    split-K kernel) and prefill steps (torch's grouped GEMM).  SHARED_SILU_QUANT (off): the
+    stacked shared expert's dense GEMMs on prefill steps past 16 tokens the same way."""
     from chunklocal.models import moe, quant_triton
 
     hf, text = trained

@@ -90,6 +90,12 @@ GATHER_QUANT = os.environ.get("CHUNKLOCAL_MOE_GATHER_QUANT", "1") == "1"
 #: FlashInfer's by a bf16 ulp.  On since the fifteenth session's H200 run (as GATHER_QUANT);
 #: off with ``CHUNKLOCAL_MOE_SILU_QUANT=0`` (tests/gpu/test_fp8_quant_gpu.py, test_fp8_gpu.py).
 SILU_QUANT = os.environ.get("CHUNKLOCAL_MOE_SILU_QUANT", "1") == "1"
+#: SILU_QUANT for the stacked shared expert's dense GEMMs too (prefill steps, past
+#: ``fuse_max_tokens``), where FlashInfer's ``silu_and_mul`` stored the bf16 product and the
+#: quantizer read it back: a 12-layer 8k prefill step of Scout FP8 on an H100 spent 1.5 ms
+#: in ``silu_and_mul`` alone (29th session).  ``CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1``,
+#: ``--switches shared_silu``; off until a GPU run.
+SHARED_SILU_QUANT = os.environ.get("CHUNKLOCAL_MOE_SHARED_SILU_QUANT", "0") == "1"
 
 def gather_quant_available(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The MoE layer's first expert GEMM takes its rows gathered, scaled and quantized by
@@ -397,9 +403,11 @@ class MoE(nn.Module):
         del gate_up
         rows = expert_mm(inner, w2, offs, s2, small, ub, split, group_rows=tokens)
         del inner
-        routed = routing.combine(rows, order, rank, tokens, slots, elsewhere)
+        # the shared expert's output added in the combine's kernel where it runs (its
+        # float32 sum, rounded, plus the shared row: torch's ``shared + routed``)
+        out = routing.combine(rows, order, rank, tokens, slots, elsewhere,
+                              None if fused else self._shared(x))
         del rows
-        out = routed if fused else self._shared(x) + routed
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
     def _shared(self, x):
@@ -410,7 +418,13 @@ class MoE(nn.Module):
         if s13 is None or s2 is None:
             return F.linear(gated_act(F.linear(x, ex.w13[-1]), self.act), ex.w2[-1])
         ub = getattr(ex, "act_scale_ub", None)  # FP8: as the shared expert's own layers
-        inner = gated_act(fp8_linear(x, ex.w13[-1], s13[-1], act_scale_ub=ub), self.act)
+        gate_up = fp8_linear(x, ex.w13[-1], s13[-1], act_scale_ub=ub)
+        inner: torch.Tensor | QuantRows
+        if SHARED_SILU_QUANT and silu_quant_available(gate_up, ex.w2, self.act, None):
+            inner = QuantRows(*silu_mul_quantize(gate_up, ub), gate_up.dtype)
+        else:
+            inner = gated_act(gate_up, self.act)
+        del gate_up
         return fp8_linear(inner, ex.w2[-1], s2[-1], act_scale_ub=ub)
 
 

@@ -70,22 +70,29 @@ def dequantize(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     return w.float() * w_scale.float().unsqueeze(-1)
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
-               act_scale_ub: float | None = None, amax_reduce=None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tensor, bias=None,
+               *, act_scale_ub: float | None = None, amax_reduce=None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T with per-token activation and per-channel weight scales -> [M, N]
     in ``x.dtype``.  CUDA: ``torch._scaled_mm`` (FP8 tensor cores, bf16 out); CPU: float32
-    on dequantized weights and fake-quantized activations."""
-    out_shape = (x.shape[0], w.shape[0])
-    if x.shape[0] == 0:
-        return x.new_zeros(out_shape)
-    if bias is None and amax_reduce is None and x.shape[0] <= SMALL_M_ROWS \
-            and x.stride(-1) == 1:
-        import chunklocal.models.moe_triton as moe_triton
+    on dequantized weights and fake-quantized activations.  ``x`` may come quantized
+    (:class:`QuantRows`; ``act_scale_ub`` and ``amax_reduce`` were then the quantizer's)."""
+    out_shape = (x.q.shape[0] if isinstance(x, QuantRows) else x.shape[0], w.shape[0])
+    if isinstance(x, QuantRows):
+        x_fp8, scale, dtype = x
+    else:
+        dtype = x.dtype
+        if x.shape[0] == 0:
+            return x.new_zeros(out_shape)
+        if bias is None and amax_reduce is None and x.shape[0] <= SMALL_M_ROWS \
+                and x.stride(-1) == 1:
+            import chunklocal.models.moe_triton as moe_triton
 
-        if moe_triton.fp8_available(x):
-            return moe_triton.fp8_linear_small(x, w, w_scale, act_scale_ub)
-    x_fp8, scale = quantize_per_token(x, act_scale_ub, amax_reduce)
-    if x.is_cuda:
+            if moe_triton.fp8_available(x):
+                return moe_triton.fp8_linear_small(x, w, w_scale, act_scale_ub)
+        x_fp8, scale = quantize_per_token(x, act_scale_ub, amax_reduce)
+    if out_shape[0] == 0:
+        return torch.zeros(out_shape, dtype=dtype, device=x_fp8.device)
+    if x_fp8.is_cuda:
         # b must be column-major: w [N, K] row-major transposed is exactly that.  A bf16
         # bias (the dtype the H200's torch 2.11 was seen to take) is added in the kernel's
         # float32 epilogue, so the output is rounded to bf16 once; added to the bf16
@@ -95,11 +102,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias=Non
                                bias=bias if fused else None, out_dtype=torch.bfloat16)
         if bias is not None and not fused:
             out = out.float() + bias
-        return out.to(x.dtype)
+        return out.to(dtype)
     out = (x_fp8.float() * scale) @ dequantize(w, w_scale).t()
     if bias is not None:
         out = out + bias
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 def fp8_grouped_mm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tensor,

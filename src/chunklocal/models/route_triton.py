@@ -212,18 +212,24 @@ def route_pairs_from_x(x: torch.Tensor, weight: torch.Tensor, shared: bool,
     return out
 
 
-def combine_rows(rows: torch.Tensor, rank: torch.Tensor, tokens: int, slots: int
-                 ) -> torch.Tensor:
+def combine_rows(rows: torch.Tensor, rank: torch.Tensor, tokens: int, slots: int,
+                 addend: torch.Tensor | None = None) -> torch.Tensor:
     """``[tokens, H]``: row ``t`` the sum of ``rows[rank[t * slots + s]]`` over the slots,
     in float32 in slot order, rounded once to ``rows``' dtype (torch's sum over the slots of
-    the rows scattered back to pair order)."""
+    the rows scattered back to pair order); plus ``addend[t]`` (``[tokens, H]``, rows'
+    dtype) if given, in float32 and rounded once more: torch's ``addend + sum``."""
     hidden = rows.shape[1]
+    if addend is not None and (addend.shape != (tokens, hidden) or addend.dtype != rows.dtype
+                               or addend.stride(-1) != 1):
+        raise ValueError(f"addend must be [{tokens}, {hidden}] {rows.dtype} with contiguous "
+                         f"rows, got {tuple(addend.shape)} {addend.dtype}")
     out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
     if tokens:
         block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
         _combine_kernel[(tokens, triton.cdiv(hidden, block))](
-            rows, rank, out, hidden, rows.stride(0), out.stride(0), SLOTS=slots, BLOCK=block,
-            **pdl_args(rows))
+            rows, rank, out, out if addend is None else addend, hidden, rows.stride(0),
+            out.stride(0), out.stride(0) if addend is None else addend.stride(0),
+            SLOTS=slots, ADD=addend is not None, BLOCK=block, **pdl_args(rows))
     return out
 
 
@@ -344,8 +350,9 @@ if triton is not None:
             tl.store(count_ptr, 0)  # ready for the next call on this stream
 
     @triton.jit
-    def _combine_kernel(rows_ptr, rank_ptr, out_ptr, H, stride_r, stride_o,
-                        SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _combine_kernel(rows_ptr, rank_ptr, out_ptr, add_ptr, H, stride_r, stride_o,
+                        stride_a, SLOTS: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
         pdl_start(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -354,5 +361,8 @@ if triton is not None:
         for s in tl.static_range(SLOTS):
             row = tl.load(rank_ptr + t * SLOTS + s)
             total += tl.load(rows_ptr + row * stride_r + h, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t.to(tl.int64) * stride_o + h,
-                 total.to(out_ptr.dtype.element_ty), mask=ok)
+        routed = total.to(out_ptr.dtype.element_ty)
+        if ADD:  # torch rounds the sum to the rows' dtype before ``addend + sum``
+            extra = tl.load(add_ptr + t.to(tl.int64) * stride_a + h, mask=ok, other=0.0)
+            routed = (routed.to(tl.float32) + extra.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t.to(tl.int64) * stride_o + h, routed, mask=ok)

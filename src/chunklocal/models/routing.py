@@ -41,8 +41,10 @@ ROUTING_SIMULATION = os.environ.get("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY"
 #: P integers): one read of the rows and one write, where the scatter back to pair order
 #: and the sum over the slots move them twice (a 12-layer 8k prefill step on an H100, 29th
 #: session: that ``index_copy_`` 1.7 ms and the add 0.9 ms).  The same bits for two slots
-#: (one float32 add, one rounding).  ``CHUNKLOCAL_MOE_COMBINE_RANKED=1``, ``--switches
-#: combine_ranked``; off until a GPU A/B.
+#: (one float32 add, one rounding).  With it the shared expert's output (steps where it is
+#: not a group of the GEMMs) is added in the same kernel too, where torch's add read both
+#: ``[T, H]`` again (0.9 ms of that step): the same bits.  ``CHUNKLOCAL_MOE_COMBINE_RANKED=1``,
+#: ``--switches combine_ranked``; off until a GPU A/B.
 COMBINE_RANKED = os.environ.get("CHUNKLOCAL_MOE_COMBINE_RANKED", "0") == "1"
 if ROUTING_SIMULATION not in ROUTING_SIMULATION_STRATEGIES:
     raise ValueError("CHUNKLOCAL_MOE_ROUTING_SIMULATION_STRATEGY must be one of "
@@ -146,18 +148,24 @@ def pairs(x: torch.Tensor, router, top_k: int, num_groups: int, shared: bool) ->
 
 
 def combine(rows: torch.Tensor, order: torch.Tensor, rank: torch.Tensor | None,
-            tokens: int, slots: int, drop: torch.Tensor | None = None) -> torch.Tensor:
+            tokens: int, slots: int, drop: torch.Tensor | None = None,
+            addend: torch.Tensor | None = None) -> torch.Tensor:
     """``[tokens, H]``: each token's ``slots`` expert outputs added up, ``rows [P, H]`` in
-    expert order (row ``i`` is pair ``order[i]``).  One kernel with ``rank`` where it runs
-    (route_triton.combine_rows); else a scatter back to pair order and a sum over slots.
-    ``drop [T, slots]``: pairs whose rows are unspecified (another rank's experts), zero."""
+    expert order (row ``i`` is pair ``order[i]``), plus ``addend [tokens, H]`` (the shared
+    expert's output) if given: torch's ``addend + sum``, the sum rounded to ``rows``' dtype
+    first.  One kernel with ``rank`` where it runs (route_triton.combine_rows); else a
+    scatter back to pair order, a sum over slots and the add.  ``drop [T, slots]``: pairs
+    whose rows are unspecified (another rank's experts), zero."""
     if drop is None and route_triton.combine_available(rows):
         if rank is None and COMBINE_RANKED:  # torch sorted: the rows of pairs 0..P-1
             rank = torch.empty_like(order).scatter_(
                 0, order, torch.arange(order.shape[0], device=order.device))
-        if rank is not None:
-            return route_triton.combine_rows(rows, rank, tokens, slots)
+        if rank is not None and (addend is None or COMBINE_RANKED):
+            return route_triton.combine_rows(rows, rank, tokens, slots, addend)
+        if rank is not None:  # the add in torch, as before the switch
+            return addend + route_triton.combine_rows(rows, rank, tokens, slots)
     per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
     if drop is not None:
         per_slot = per_slot.masked_fill(drop.reshape(-1, 1), 0)
-    return per_slot.view(tokens, slots, -1).sum(1) if slots > 1 else per_slot
+    routed = per_slot.view(tokens, slots, -1).sum(1) if slots > 1 else per_slot
+    return routed if addend is None else addend + routed
