@@ -564,6 +564,35 @@ GATHER_QUANT_SCRIPT = textwrap.dedent("""
     # torch's SiLU (x * sigmoid(x)) against the kernel's x / (1 + exp(-x)): float32 ulps in
     # the scales, no byte of this seed's rows flips (a flip: about 2**-5)
     on_against_off("SILU_QUANT", "silu_mul_quantize", 2 ** -12)
+
+    # SHARED_SILU_QUANT (off): the stacked FP8 shared expert's dense GEMMs (steps past
+    # fuse_max_tokens) take its silu(gate) * up quantized by the same kernel too
+    from chunklocal.models.quant import FP8, Fp8Linear
+    layer = fp8_experts(ours_from(hf_moe(16, 1, seed=5)))
+    sh = layer.shared_expert
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(sh, name)
+        w = lin.weight.data
+        scale = w.abs().amax(-1).clamp(min=1e-6) / 448.0
+        fp8 = Fp8Linear(lin.in_features, lin.out_features)
+        fp8.weight.data, fp8.weight_scale.data = (w / scale[:, None]).to(FP8), scale.float()
+        setattr(sh, name, fp8)
+    assert layer.stack_shared()
+    layer.fuse_max_tokens = 16
+    x = torch.randn(40, 16, generator=gen) * 2
+    assert not moe_mod.SHARED_SILU_QUANT  # off by default (=1 turns it on)
+    calls, real = [], quant_triton.silu_mul_quantize
+    moe_mod.silu_mul_quantize = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    with torch.no_grad():
+        want = layer(x)
+        assert calls == [40]  # the routed pairs' only
+        moe_mod.SHARED_SILU_QUANT = True
+        got = layer(x)
+        moe_mod.SHARED_SILU_QUANT = False
+    assert calls == [40, 40, 40], calls  # and the shared expert's 40 rows
+    moe_mod.silu_mul_quantize = real
+    err = float((got - want).abs().max() / want.abs().max())
+    assert 0 < err <= 2 ** -10 or torch.equal(got, want), err
     print("ok")
 """)
 
