@@ -160,10 +160,10 @@ def combine(rows: torch.Tensor, order: torch.Tensor, rank: torch.Tensor | None,
         if rank is None and COMBINE_RANKED:  # torch sorted: the rows of pairs 0..P-1
             rank = torch.empty_like(order).scatter_(
                 0, order, torch.arange(order.shape[0], device=order.device))
-        if rank is not None and (addend is None or COMBINE_RANKED):
-            return route_triton.combine_rows(rows, rank, tokens, slots, addend)
-        if rank is not None:  # the add in torch, as before the switch
-            return addend + route_triton.combine_rows(rows, rank, tokens, slots)
+        if rank is not None:
+            if addend is None or COMBINE_RANKED:
+                return route_triton.combine_rows(rows, rank, tokens, slots, addend)
+            return addend + route_triton.combine_rows(rows, rank, tokens, slots)  # as before
     per_slot = torch.empty_like(rows).index_copy_(0, order, rows)
     if drop is not None:
         per_slot = per_slot.masked_fill(drop.reshape(-1, 1), 0)
