@@ -13,6 +13,7 @@
 #                                            # keys off, paged earlier keys (PREFILL_VARIANTS)
 #   bash benchmarks/device_calls.sh vecrank  # ROPE_VEC, MOE_COMBINE_RANKED, SHARED_SILU_QUANT: tests,
 #                                            # tokens, prefill A/B
+#   bash benchmarks/device_calls.sh oracle   # the FP8 oracle tests under COMBINE_RANKED / SHARED_SILU_QUANT
 #   bash benchmarks/device_calls.sh earlier  # rope forms; gathered vs paged earlier keys, alternated;
 #                                            # memory and engine tests with them on
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
@@ -47,10 +48,11 @@ export TRITON_CACHE_DIR=$PWD/.fi-cache/triton
 export CHUNKLOCAL_TEST_LOG=$OUT/tests.log
 t0=$(date +%s)
 say() { echo "[t=$(( $(date +%s) - t0 ))s] $*"; }
-pt() {  # pt LIMIT_S PYTEST_ARGS...
+pt() {  # pt LIMIT_S PYTEST_ARGS... (pyproject's addopts is -q already: a second -q hides
+  # the "N passed" line, as it did in every call before the 30th session's last)
   local limit=$1; shift
   say "pytest $*"
-  timeout "$limit" python3 -m pytest -q -rfEs -p no:cacheprovider "$@" 2>&1 | tail -25 \
+  timeout "$limit" python3 -m pytest -rfEs -p no:cacheprovider "$@" 2>&1 | tail -25 \
     | tee -a "$OUT/pytest-summaries.txt"
 }
 bench() {  # bench LIMIT_S LOG_NAME MODULE ARGS...
@@ -134,7 +136,7 @@ case ${1:-ab} in
     # ranked combine (MOE_COMBINE_RANKED), both, then own keys off and the paged earlier keys
     if [ "${OWNKEYS_TESTS:-1}" = 1 ]; then
       pt 200 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits"
-      pt 90 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py -k "rope or ranked"
+      pt 90 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py -k "rope or by_rank"
     fi
     prefill_variants "${PREFILL_VARIANTS:-defaults vec combine both own0 paged}" ;;
   vecrank)  # issue 20's three prefill switches (ROPE_VEC, MOE_COMBINE_RANKED with the shared
@@ -142,10 +144,24 @@ case ${1:-ab} in
     # the engine's tokens with all three on, then the prefill with all three against the
     # defaults (VECRANK_VARIANTS)
     pt 150 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_fp8_gpu.py \
-      -k "rope or ranked or SHARED_SILU"
+      -k "rope or by_rank or SHARED_SILU"
     ( export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1
       pt 200 tests/gpu/test_engine_gpu.py -k "tokens or reporter or logits" )
     prefill_variants "${VECRANK_VARIANTS:-all defaults}" ;;
+  oracle)  # the FP8 oracle tests (a model trained in each process, about 60 s) under the
+    # prefill switches still off: both on, each alone, both on again (a process a variant:
+    # one trained model failed all four with ROPE_VEC + both on in the 30th session's call,
+    # each of ROPE_VEC and SHARED_SILU_QUANT alone passed on other trained models)
+    for v in ${ORACLE_VARIANTS:-both combine shared both}; do
+      left=$(( 545 - $(date +%s) + t0 ))
+      if [ "$left" -lt 100 ]; then say "no time for $v"; continue; fi
+      ( case $v in combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
+                   shared) export CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
+                   both) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;; esac
+        echo "== oracle $v" | tee -a "$OUT/pytest-summaries.txt"
+        pt $(( left < 200 ? left : 200 )) tests/gpu/test_fp8_gpu.py \
+          -k "fake_quant_oracle_on_a_trained_model or shared_expert_as_a_group" )
+    done ;;
   earlier)  # issue 20's two prefill switches, off by default: the rope kernel's forms
     # (ROPE_TILED, ROPE_VEC: GPU test, then each form's kernel time in an 8k prefill), the
     # gathered earlier keys (RAGGED_EARLIER) against the paged ones alternated twice at 32k
@@ -237,7 +253,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, verify, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, oracle, verify, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
 esac
 # a call brings back at most 8 files: `earlier` leaves the kernels (the AOT ones suffice)
 [ "${1:-ab}" = earlier ] || tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"

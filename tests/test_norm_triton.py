@@ -9,6 +9,7 @@ tests/gpu/test_norm_triton_gpu.py runs them compiled."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -168,8 +169,9 @@ def test_rope_qk_norm_kernel_in_interpreter(tiled):
     """``tiled``: ROPE_TILED with tiles of 4 heads, so the fused q + k launch's 6 heads
     take a full tile and a masked one, and the split falls inside the second; ``vec``:
     the same tiles read and written as whole heads (ROPE_VEC)."""
-    prefix = ("from chunklocal.models import norm_triton as _nt\n"
-              "_nt.ROPE_TILED, _nt.ROPE_TILE_HEADS = True, 4\n") if tiled else ""
+    prefix = "from chunklocal.models import norm_triton as _nt\n_nt.ROPE_VEC = False\n"
+    if tiled:
+        prefix += "_nt.ROPE_TILED, _nt.ROPE_TILE_HEADS = True, 4\n"
     if tiled == "vec":
         prefix += "_nt.ROPE_TILED, _nt.ROPE_VEC = False, True\n"
     run_in_interpreter(prefix + ROPE_SCRIPT)
@@ -177,7 +179,10 @@ def test_rope_qk_norm_kernel_in_interpreter(tiled):
 
 @pytest.mark.parametrize("rope_vec", [False, True], ids=["one-head", "vec"])
 def test_engine_tokens_unchanged_with_the_kernels_in_interpreter(rope_vec):
-    """``vec``: the rope kernel over whole heads (ROPE_VEC) in the engine's steps."""
-    prefix = ("from chunklocal.models import norm_triton as _nt\n_nt.ROPE_VEC = True\n"
-              if rope_vec else "")
+    """``vec``: the rope kernel over whole heads (ROPE_VEC, on by default) in the engine's
+    steps; ``one-head``: one head a program (``CHUNKLOCAL_ROPE_VEC=0``)."""
+    from chunklocal.models import norm_triton
+
+    assert norm_triton.ROPE_VEC or os.environ.get("CHUNKLOCAL_ROPE_VEC") == "0"
+    prefix = f"from chunklocal.models import norm_triton as _nt\n_nt.ROPE_VEC = {rope_vec}\n"
     run_in_interpreter(prefix + ENGINE_SCRIPT)

@@ -60,10 +60,13 @@ ROPE_TILE_HEADS = 16
 #: The same operations; the tile's float32 sum and the compiler's FMA contraction may
 #: differ from one head a program in the last float32 bit (as both do from torch's), so a
 #: bf16 output may differ by one unit.  H100, 29th session, a 12-layer 8k prefill step: the
-#: kernel 4.27 ms (one head a program) and 4.49 (tiled) against **0.62 ms** here.  Off until
-#: the GPU tests' torch comparison and the engine's tokens pass with it (the first run's
-#: failures were the test's own bit-equality claim, now removed).
-ROPE_VEC = os.environ.get("CHUNKLOCAL_ROPE_VEC", "0") == "1"
+#: kernel 4.27 ms (one head a program) and 4.49 (tiled) against **0.62 ms** here.  On by
+#: default since the 30th session (H100, 12 of Scout FP8's layers): the torch comparison of
+#: every form at 1 / 64 / 257 tokens, the engine's bf16 tokens with graphs, its logits and
+#: the reporter's scenario, and the FP8 oracle test with it alone passed; the 8k / 32k
+#: prefill 0.0969 / 0.430 s against the defaults' 0.0985-0.0997 / 0.434-0.438 s of the same
+#: call (BENCHMARKS.md).  ``CHUNKLOCAL_ROPE_VEC=0`` turns it off (one head a program).
+ROPE_VEC = os.environ.get("CHUNKLOCAL_ROPE_VEC", "1") == "1"
 
 
 def norm_available(x: torch.Tensor) -> bool:
