@@ -211,12 +211,16 @@ def oracle_report(llm, oracle, prompts, outs, top_k: int = 1) -> dict:
     refs = [hf_generate(oracle, p, len(out)) for p, out in zip(prompts, outs, strict=True)]
     seqs = [p + r for p, r in zip(prompts, refs, strict=True)]
     forced, gap_error, logit_error, misses, rows, flips = [], [], [], [], [], []
+    worst: list[tuple] = []
     for prompt, ref, out, seq in zip(prompts, refs, outs, seqs, strict=True):
         with routing_trace(oracle) as want_routes:
             want = oracle(torch.tensor([seq], device=oracle.device)).logits[0].float().cpu()
         eng, got_routes = logits_and_routes(llm, seq)
-        flipped, closeness = routing_flips(routing_logits(want_routes, len(seq)), got_routes,
-                                           top_k)
+        want_logits = routing_logits(want_routes, len(seq))
+        flipped, closeness = routing_flips(want_logits, got_routes, top_k)
+        # every position's nearest routing tie over the layers (its top-k margin over the
+        # layer's median), for the report of the largest gap errors
+        margin = torch.stack([_relative_margin(a, top_k) for a in want_logits]).amin(0)
         top = want.topk(2, dim=-1)
         gap = top.values[:, 0] - top.values[:, 1]
         eng_gap = (eng.gather(1, top.indices[:, :1]) - eng.gather(1, top.indices[:, 1:]))[:, 0]
@@ -225,6 +229,9 @@ def oracle_report(llm, oracle, prompts, outs, top_k: int = 1) -> dict:
         forced.append(same[span])
         error = (eng_gap - gap).abs()
         gap_error.append(error[span][~flipped[span]])
+        worst += [(float(error[i]), len(prompt), i, round(float(gap[i]), 3),
+                   round(float(eng_gap[i]), 3), round(float(margin[i]), 4))
+                  for i in range(span.start, span.stop) if not flipped[i]]
         flips += [(len(prompt), i, round(float(closeness[i]), 4), round(float(error[i]), 3))
                   for i in range(span.start, span.stop) if flipped[i]]
         logit_error.append((eng - want).abs().amax(-1)[span])
@@ -247,7 +254,17 @@ def oracle_report(llm, oracle, prompts, outs, top_k: int = 1) -> dict:
                 forced_agree=float(forced.float().mean()), forced_positions=len(forced),
                 clear_misses=misses, gap_error_q=gap_error.quantile(q).tolist(),
                 routing_flips=flips,
+                worst_gap_errors=[(round(w[0], 3), *w[1:])
+                                  for w in sorted(worst, reverse=True)[:5]],
                 logit_error_q=logit_error.quantile(q).tolist())
+
+
+def _relative_margin(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T]: each token's margin between its k-th and (k+1)-th router logit over the
+    layer's median margin (routing_flips' closeness, for every token)."""
+    top = logits.topk(top_k + 1, dim=-1).values
+    margin = top[:, top_k - 1] - top[:, top_k]
+    return margin / margin.median().clamp_min(torch.finfo(margin.dtype).tiny)
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +387,10 @@ def check_report(report) -> None:
     assert report["free_agree"] == 1.0, parted
     assert report["forced_agree"] >= FORCED_MIN, report["forced_agree"]
     assert not report["clear_misses"], "(prompt, position, oracle gap) of clear choices missed"
-    assert report["gap_error_q"][-1] <= GAP_ERROR_MAX, report["gap_error_q"]
+    # worst: (|gap error|, prompt length, position, oracle gap, engine gap, the position's
+    # nearest routing tie over the layers relative to the layer's median margin)
+    assert report["gap_error_q"][-1] <= GAP_ERROR_MAX, (report["gap_error_q"],
+                                                         report["worst_gap_errors"])
     flips = report["routing_flips"]
     assert len(flips) <= FLIPS_MAX_SHARE * report["forced_positions"], flips
     assert all(closeness <= ROUTER_TIE for _, _, closeness, _ in flips), flips
