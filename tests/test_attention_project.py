@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from llama4_tiny import write_tiny_llama4
 
 import chunklocal
-from llama4_tiny import write_tiny_llama4
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
