@@ -61,14 +61,15 @@ def test_a_layers_dead_tensors_are_freed_before_its_feed_forward(ckpt, monkeypat
     assert alive_at_ff == [[]] * len(alive_at_ff)
 
 
-def test_moe_intermediates_are_freed_before_the_shared_expert(monkeypatch):
-    """The routed experts' GEMM outputs (gate/up products, the down projection's rows) are
-    gone when the shared expert starts."""
+def test_moe_intermediates_are_freed_before_the_combine(monkeypatch):
+    """The shared expert runs before the routed experts (no routed intermediate exists
+    then), and when the combine starts only the routed rows it reads are alive of the
+    experts' GEMM outputs: the gate/up product is gone."""
     from test_moe import hf_moe, ours_from
 
     ours = ours_from(hf_moe(8, 1, 0))
     refs: list[weakref.ref] = []
-    expert_mm = moe_module.expert_mm
+    expert_mm, combine = moe_module.expert_mm, moe_module.routing.combine
 
     def recording(*args, **kwargs):
         out = expert_mm(*args, **kwargs)
@@ -82,8 +83,14 @@ def test_moe_intermediates_are_freed_before_the_shared_expert(monkeypatch):
         alive.append(sum(r() is not None for r in refs))
         return shared(x)
 
+    def combining(rows, *args):
+        alive.append(sum(r() is not None for r in refs))
+        assert refs[-1]() is rows
+        return combine(rows, *args)
+
     monkeypatch.setattr(moe_module, "expert_mm", recording)
+    monkeypatch.setattr(moe_module.routing, "combine", combining)
     ours.shared_expert.forward = checked
     with torch.no_grad():
         ours(torch.randn(40, 16))
-    assert len(refs) == 2 and alive == [0]
+    assert len(refs) == 2 and alive == [0, 1]

@@ -361,6 +361,12 @@ class MoE(nn.Module):
         ex, num_groups = self.experts, self.num_local
         fused = self.stacked and tokens <= self.fuse_max_tokens
         slots = self.top_k + int(fused)
+        # The shared expert first (apart from the GEMMs' groups): its [T, H] output is all it
+        # leaves, and the combine adds it (in its kernel where COMBINE_RANKED runs).  The
+        # peak is the same either way round for top-1 (its [T, 2I] product beside the
+        # routed [T, H] then, the routed product beside its output now), and no routed
+        # intermediate outlives the combine (tests/test_activation_lifetimes.py).
+        shared = None if fused else self._shared(x)
         elsewhere = None
         if num_groups == self.num_experts:
             order, offs, token, pair_score, rank = routing.pairs(x, self.router, self.top_k,
@@ -403,11 +409,9 @@ class MoE(nn.Module):
         del gate_up
         rows = expert_mm(inner, w2, offs, s2, small, ub, split, group_rows=tokens)
         del inner
-        # the shared expert's output added in the combine's kernel where it runs (its
-        # float32 sum, rounded, plus the shared row: torch's ``shared + routed``)
-        out = routing.combine(rows, order, rank, tokens, slots, elsewhere,
-                              None if fused else self._shared(x))
-        del rows
+        # plus the shared expert's rows: torch's ``shared + routed`` (routed rounded first)
+        out = routing.combine(rows, order, rank, tokens, slots, elsewhere, shared)
+        del rows, shared
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
     def _shared(self, x):
