@@ -217,10 +217,12 @@ def kernel_profile(step, num_steps: int, device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     spans, per_kernel, launches = [], defaultdict(float), defaultdict(int)
+    named: list[tuple[float, float, str]] = []
     by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             spans.append((event.time_range.start, event.time_range.end))
+            named.append((event.time_range.start, event.time_range.end, event.name))
             per_kernel[event.name] += (event.time_range.end - event.time_range.start) / 1e3
             launches[event.name] += 1
         for kernel in getattr(event, "kernels", None) or ():
@@ -246,7 +248,36 @@ def kernel_profile(step, num_steps: int, device) -> dict:
         busy, span = busy_and_span(spans)
         result.update(device_busy_ms_per_step=busy / 1e3 / num_steps,
                       device_idle_ms_per_step=(span - busy) / 1e3 / num_steps)
+        result.update(idle_gaps(named, num_steps))
     return result
+
+
+#: upper ends (us) of the idle gaps' size classes: launch gaps between queued kernels are a
+#: few microseconds; a host that falls behind (a sync, a long host step) leaves longer ones
+GAP_CLASSES_US = (5.0, 20.0, 100.0, float("inf"))
+
+
+def idle_gaps(named, num_steps: int, largest: int = 8) -> dict:
+    """The device's idle time split by gap length: per step, how many gaps of each
+    :data:`GAP_CLASSES_US` class and their ms; and the ``largest`` gaps with the kernels
+    either side (``named``: (start us, end us, kernel name))."""
+    named = sorted(named)
+    gaps, end, before = [], named[0][1], named[0][2]
+    for start, stop, name in named[1:]:
+        if start > end:
+            gaps.append((start - end, before, name))
+        if stop >= end:
+            end, before = stop, name
+    classes, low = {}, 0.0
+    for high in GAP_CLASSES_US:
+        inside = [g for g, _, _ in gaps if low <= g < high]
+        label = f"{low:g}-{high:g}us" if high != float("inf") else f">={low:g}us"
+        classes[label] = {"gaps": len(inside) / num_steps, "ms": sum(inside) / 1e3 / num_steps}
+        low = high
+    top = sorted(gaps, key=lambda g: -g[0])[:largest]
+    return {"idle_gaps_per_step": classes,
+            "largest_idle_gaps": [{"us": round(g, 1), "after": a[:80], "before": b[:80]}
+                                  for g, a, b in top]}
 
 
 def busy_and_span(spans) -> tuple[float, float]:

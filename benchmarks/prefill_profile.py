@@ -202,6 +202,10 @@ def main(argv=None) -> int:
             print(row["model"], "per step of", args.chunk, "tokens:",
                   {unit: f"{v['share_of_rate']:.0%} of its rate in {v['ms']:.2f} ms"
                    for unit, v in row["profile"]["class_rates"].items()})
+            gaps = row["profile"].get("idle_gaps_per_step")
+            if gaps:  # launch-sized gaps against a host that fell behind
+                print("  idle gaps per step:", {k: f"{v['gaps']:.0f} = {v['ms']:.2f} ms"
+                                                for k, v in gaps.items()})
     path = write_json(name, {"args": vars(args), "rates": rates, "rows": rows,
                              "errors": errors}, args.out)
     print(f"wrote {path}")

@@ -1093,6 +1093,30 @@ def test_kernel_profile_tables_from_profiler_events(monkeypatch):
                                               "aten::mm": {"ms": 0.02, "launches": 0.5}}
     assert got["device_busy_ms_per_step"] == 0.025  # 50 us of 66 busy, over 2 steps
     assert got["device_idle_ms_per_step"] == 0.008
+    # the idle 16 us: gaps of 10 and 6 us (both launch-sized), the kernels either side
+    assert got["idle_gaps_per_step"] == {"0-5us": {"gaps": 0.0, "ms": 0.0},
+                                         "5-20us": {"gaps": 1.0, "ms": 0.008},
+                                         "20-100us": {"gaps": 0.0, "ms": 0.0},
+                                         ">=100us": {"gaps": 0.0, "ms": 0.0}}
+    assert got["largest_idle_gaps"] == [
+        {"us": 10.0, "after": "nvjet_sm90_tst_64x8", "before": "elementwise_kernel"},
+        {"us": 6.0, "after": "elementwise_kernel", "before": "elementwise_kernel"}]
+
+
+def test_idle_gaps_skip_overlaps_and_name_the_kernel_that_ended_last():
+    """A kernel inside another's interval leaves no gap, and the gap after two
+    overlapping kernels is named after the one that ended last; gaps fall in their size
+    class at its lower end (a 5 us gap is not a 0-5 us one)."""
+    from benchmarks.floors import idle_gaps
+
+    got = idle_gaps([(0, 100, "long"), (10, 20, "inside"), (105, 110, "a"),
+                     (130, 140, "b"), (300, 301, "c")], num_steps=1, largest=3)
+    assert got["idle_gaps_per_step"]["5-20us"] == {"gaps": 1.0, "ms": 0.005}
+    assert got["idle_gaps_per_step"]["20-100us"] == {"gaps": 1.0, "ms": 0.02}
+    assert got["idle_gaps_per_step"][">=100us"] == {"gaps": 1.0, "ms": 0.16}
+    assert got["largest_idle_gaps"] == [{"us": 160.0, "after": "b", "before": "c"},
+                                        {"us": 20.0, "after": "a", "before": "b"},
+                                        {"us": 5.0, "after": "long", "before": "a"}]
 
 
 def test_activation_peak_finds_the_live_set_at_the_peak():
