@@ -9,8 +9,9 @@
 #                                            # the batch-1 A/B at a 131k limit, graph and token tests
 #   bash benchmarks/device_calls.sh combo    # ab2 + replan in one call (router and re-plan on together)
 #   bash benchmarks/device_calls.sh ownkeys  # issue 20's prefill: GPU tests, then 8k/32k for the
-#                                            # defaults, ROPE_VEC, MOE_COMBINE_RANKED, both, own
-#                                            # keys off, paged earlier keys (PREFILL_VARIANTS)
+#                                            # defaults, all switches, MOE_COMBINE_RANKED,
+#                                            # SHARED_SILU_QUANT, the old rope, own keys off,
+#                                            # paged earlier keys (PREFILL_VARIANTS)
 #   bash benchmarks/device_calls.sh vecrank  # ROPE_VEC, MOE_COMBINE_RANKED, SHARED_SILU_QUANT: tests,
 #                                            # tokens, prefill A/B
 #   bash benchmarks/device_calls.sh oracle   # the FP8 oracle tests under COMBINE_RANKED / SHARED_SILU_QUANT
@@ -86,7 +87,8 @@ prefill_variants() {  # prefill_variants "VARIANTS": 8k and 32k prefill, one pro
     if [ "$left" -lt 60 ]; then say "no time for $variant"; continue; fi
     ( case $variant in own0) export CHUNKLOCAL_RAGGED_OWN_KEYS=0 ;;
                        paged) export CHUNKLOCAL_RAGGED_EARLIER=0 ;;
-                       vec) export CHUNKLOCAL_ROPE_VEC=1 ;;
+                       vec) export CHUNKLOCAL_ROPE_VEC=1 ;;  # the default since the 30th session
+                       novec) export CHUNKLOCAL_ROPE_VEC=0 ;;
                        combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
                        both) export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
                        shared) export CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
@@ -132,13 +134,15 @@ case ${1:-ab} in
         tests/gpu/test_flashinfer.py -k "gemv or oracle or tokens or graph" ) ;;
   ownkeys)  # issue 20's prefill: the GPU tests (OWNKEYS_TESTS=0 skips them), then the
     # prefill at 8k and 32k, one process a variant, in order of what they decide: the
-    # defaults (own keys ragged, earlier keys gathered), the whole-head rope (ROPE_VEC), the
-    # ranked combine (MOE_COMBINE_RANKED), both, then own keys off and the paged earlier keys
+    # defaults (own keys ragged, earlier keys gathered, the whole-head rope), all three
+    # prefill switches on, the ranked combine (MOE_COMBINE_RANKED) and the shared expert's
+    # fused SiLU (MOE_SHARED_SILU_QUANT) alone, then the old rope, own keys off and the paged
+    # earlier keys
     if [ "${OWNKEYS_TESTS:-1}" = 1 ]; then
       pt 200 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py -k "own_keys or tokens or reporter or logits"
       pt 90 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py -k "rope or by_rank"
     fi
-    prefill_variants "${PREFILL_VARIANTS:-defaults vec combine both own0 paged}" ;;
+    prefill_variants "${PREFILL_VARIANTS:-defaults all combine shared novec own0 paged}" ;;
   vecrank)  # issue 20's three prefill switches (ROPE_VEC, MOE_COMBINE_RANKED with the shared
     # expert's add, MOE_SHARED_SILU_QUANT), off by default: their kernel and FP8 token tests,
     # the engine's tokens with all three on, then the prefill with all three against the

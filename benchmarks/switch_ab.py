@@ -63,6 +63,7 @@ SWITCHES = {
     "rope_tiled": ("chunklocal.models.norm_triton", "ROPE_TILED"),
     "rope_vec": ("chunklocal.models.norm_triton", "ROPE_VEC"),
     "combine_ranked": ("chunklocal.models.routing", "COMBINE_RANKED"),
+    "shared_silu": ("chunklocal.models.moe", "SHARED_SILU_QUANT"),
 }
 #: name: (attribute of every MoE layer, its value when on) of switches each layer holds,
 #: flipped between that value and 0.  "shared": the shared expert as group E of the routed

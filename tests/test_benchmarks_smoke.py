@@ -537,6 +537,18 @@ def test_switch_ab_smoke(tmp_path, monkeypatch):
     assert rows[1]["step_ms_every_round"] in ("faster", "slower", "mixed")
 
 
+def test_every_switch_ab_name_is_a_boolean_the_engine_reads():
+    """Each switch switch_ab flips is a module-level bool that exists: a renamed switch
+    fails here, not in a device call that flips nothing."""
+    import importlib
+
+    from benchmarks import switch_ab
+
+    for name, (module, attr) in switch_ab.SWITCHES.items():
+        value = getattr(importlib.import_module(module), attr)
+        assert isinstance(value, bool), (name, module, attr, value)
+
+
 def test_switch_ab_saves_each_round_it_completes(tmp_path, monkeypatch):
     """A run stopped in its second kept round (a time limit on the device) has written
     the warm-up-less first round: the JSON holds one round of each variant."""
