@@ -22,6 +22,7 @@ from chunklocal.models.quant import (
     quantize_per_token,
 )
 from chunklocal.models.quant_config import parse_quantization_config
+from chunklocal.models.quant_triton import QuantRows
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -74,6 +75,8 @@ def test_fp8_linear_is_the_product_of_the_fake_quantized_operands(m, n, k, seed,
     out = fp8_linear(x, w, w_scale, b)
     assert out.shape == (m, n) and out.dtype == x.dtype
     q, s = quantize_per_token(x)
+    # the rows quantized already (QuantRows, as the MoE's fused kernels hand them): the same
+    assert torch.equal(fp8_linear(QuantRows(q, s, x.dtype), w, w_scale, b), out)
     xq, wq = q.double() * s.double(), w.double() * w_scale.double()[:, None]
     ref = xq @ wq.t()
     if bias:
