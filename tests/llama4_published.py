@@ -361,8 +361,15 @@ def routing_flips(want: list[torch.Tensor], got: list[torch.Tensor], top_k: int)
         top = a.topk(top_k + 1, dim=-1)
         differ = (top.indices[:, :top_k].sort(-1).values
                   != b.topk(top_k, dim=-1).indices.sort(-1).values).any(-1)
-        margin = top.values[:, top_k - 1] - top.values[:, top_k]
-        relative = margin / margin.median().clamp_min(torch.finfo(margin.dtype).tiny)
         flipped |= differ
-        closeness = torch.where(differ, torch.minimum(closeness, relative), closeness)
+        closeness = torch.where(differ, torch.minimum(closeness, relative_margin(a, top_k)),
+                                closeness)
     return flipped, closeness
+
+
+def relative_margin(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T]: each token's margin between its k-th and (k+1)-th router logit (``logits [T,
+    E]``) over the layer's median margin: how near a tie its routing is."""
+    top = logits.topk(top_k + 1, dim=-1).values
+    margin = top[:, top_k - 1] - top[:, top_k]
+    return margin / margin.median().clamp_min(torch.finfo(margin.dtype).tiny)

@@ -29,6 +29,7 @@ from llama4_published import (  # noqa: E402
     fp8_oracle,
     hf_generate,
     read_tensors,
+    relative_margin,
     routing_flips,
     routing_logits,
     routing_trace,
@@ -220,7 +221,7 @@ def oracle_report(llm, oracle, prompts, outs, top_k: int = 1) -> dict:
         flipped, closeness = routing_flips(want_logits, got_routes, top_k)
         # every position's nearest routing tie over the layers (its top-k margin over the
         # layer's median), for the report of the largest gap errors
-        margin = torch.stack([_relative_margin(a, top_k) for a in want_logits]).amin(0)
+        margin = torch.stack([relative_margin(a, top_k) for a in want_logits]).amin(0)
         top = want.topk(2, dim=-1)
         gap = top.values[:, 0] - top.values[:, 1]
         eng_gap = (eng.gather(1, top.indices[:, :1]) - eng.gather(1, top.indices[:, 1:]))[:, 0]
@@ -258,13 +259,6 @@ def oracle_report(llm, oracle, prompts, outs, top_k: int = 1) -> dict:
                                   for w in sorted(worst, reverse=True)[:5]],
                 logit_error_q=logit_error.quantile(q).tolist())
 
-
-def _relative_margin(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """[T]: each token's margin between its k-th and (k+1)-th router logit over the
-    layer's median margin (routing_flips' closeness, for every token)."""
-    top = logits.topk(top_k + 1, dim=-1).values
-    margin = top[:, top_k - 1] - top[:, top_k]
-    return margin / margin.median().clamp_min(torch.finfo(margin.dtype).tiny)
 
 
 @pytest.fixture(scope="module")
