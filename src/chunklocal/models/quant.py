@@ -76,22 +76,20 @@ def fp8_linear(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tens
     in ``x.dtype``.  CUDA: ``torch._scaled_mm`` (FP8 tensor cores, bf16 out); CPU: float32
     on dequantized weights and fake-quantized activations.  ``x`` may come quantized
     (:class:`QuantRows`; ``act_scale_ub`` and ``amax_reduce`` were then the quantizer's)."""
-    rows = x.q if isinstance(x, QuantRows) else x
-    out_shape = (rows.shape[0], w.shape[0])
     if isinstance(x, QuantRows):
         x_fp8, scale, dtype = x
+        if x_fp8.shape[0] == 0:
+            return torch.zeros(0, w.shape[0], dtype=dtype, device=x_fp8.device)
     else:
-        dtype = x.dtype
-        if x.shape[0] and bias is None and amax_reduce is None \
-                and x.shape[0] <= SMALL_M_ROWS and x.stride(-1) == 1:
+        if x.shape[0] == 0:
+            return x.new_zeros(0, w.shape[0])
+        if bias is None and amax_reduce is None and x.shape[0] <= SMALL_M_ROWS \
+                and x.stride(-1) == 1:
             import chunklocal.models.moe_triton as moe_triton
 
             if moe_triton.fp8_available(x):
                 return moe_triton.fp8_linear_small(x, w, w_scale, act_scale_ub)
-    if out_shape[0] == 0:
-        return torch.zeros(out_shape, dtype=dtype, device=rows.device)
-    if not isinstance(x, QuantRows):
-        x_fp8, scale = quantize_per_token(x, act_scale_ub, amax_reduce)
+        (x_fp8, scale), dtype = quantize_per_token(x, act_scale_ub, amax_reduce), x.dtype
     if x_fp8.is_cuda:
         # b must be column-major: w [N, K] row-major transposed is exactly that.  A bf16
         # bias (the dtype the H200's torch 2.11 was seen to take) is added in the kernel's
