@@ -216,12 +216,11 @@ def kernel_profile(step, num_steps: int, device) -> dict:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    spans, per_kernel, launches = [], defaultdict(float), defaultdict(int)
-    named: list[tuple[float, float, str]] = []
+    per_kernel, launches = defaultdict(float), defaultdict(int)
+    named: list[tuple[float, float, str]] = []  # (start us, end us, kernel) of each launch
     by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            spans.append((event.time_range.start, event.time_range.end))
             named.append((event.time_range.start, event.time_range.end, event.name))
             per_kernel[event.name] += (event.time_range.end - event.time_range.start) / 1e3
             launches[event.name] += 1
@@ -244,8 +243,8 @@ def kernel_profile(step, num_steps: int, device) -> dict:
         row[1] += launches[name] / num_steps
     result["classes_per_step"] = {cls: {"ms": ms, "launches": n} for cls, (ms, n) in
                                   sorted(classes.items(), key=lambda kv: -kv[1][0])}
-    if spans:
-        busy, span = busy_and_span(spans)
+    if named:
+        busy, span = busy_and_span([(start, end) for start, end, _ in named])
         result.update(device_busy_ms_per_step=busy / 1e3 / num_steps,
                       device_idle_ms_per_step=(span - busy) / 1e3 / num_steps)
         result.update(idle_gaps(named, num_steps))
