@@ -80,20 +80,24 @@ ab_tokens() {  # the engine's tokens with the in-kernel router on (PDL and the G
 # arguments, the model of the decode benchmarks, prefill_profile's --models
 if [ "$big" = 1 ]; then model="--model scout-fp8 --repeats 3"; tmodel=scout-fp8; pmodel=""
 else model="--model scout-fp8-12 --repeats 4"; tmodel=scout-fp8-12; pmodel="--models scout-fp8-12"; fi
+variant_env() {  # variant_env NAME: export a prefill variant's switches (in a subshell);
+  # "defaults" exports none.  all: every prefill switch still off (ROPE_VEC is a default
+  # since the 30th session; novec turns it off)
+  case $1 in own0) export CHUNKLOCAL_RAGGED_OWN_KEYS=0 ;;
+             paged) export CHUNKLOCAL_RAGGED_EARLIER=0 ;;
+             novec) export CHUNKLOCAL_ROPE_VEC=0 ;;
+             combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
+             shared) export CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
+             all) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
+             defaults) ;;
+             *) echo "unknown variant: $1"; return 1 ;; esac
+}
 prefill_variants() {  # prefill_variants "VARIANTS": 8k and 32k prefill, one process a variant,
   # until 545 s into the call; one JSON archive (a call brings back at most 8 files)
   for variant in $1; do
     left=$(( 545 - $(date +%s) + t0 ))
     if [ "$left" -lt 60 ]; then say "no time for $variant"; continue; fi
-    ( case $variant in own0) export CHUNKLOCAL_RAGGED_OWN_KEYS=0 ;;
-                       paged) export CHUNKLOCAL_RAGGED_EARLIER=0 ;;
-                       vec) export CHUNKLOCAL_ROPE_VEC=1 ;;  # the default since the 30th session
-                       novec) export CHUNKLOCAL_ROPE_VEC=0 ;;
-                       combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
-                       both) export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
-                       shared) export CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
-                       all) export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 \
-                              CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;; esac
+    ( variant_env "$variant" || exit
       echo "== variant $variant" >> "$OUT/prefill.log"
       # shellcheck disable=SC2086
       bench $(( left < 150 ? left : 150 )) prefill benchmarks.prefill_profile \
@@ -149,19 +153,17 @@ case ${1:-ab} in
     # defaults (VECRANK_VARIANTS)
     pt 150 tests/gpu/test_norm_triton_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_fp8_gpu.py \
       -k "rope or by_rank or SHARED_SILU"
-    ( export CHUNKLOCAL_ROPE_VEC=1 CHUNKLOCAL_MOE_COMBINE_RANKED=1 CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1
+    ( variant_env all
       pt 200 tests/gpu/test_engine_gpu.py -k "tokens or reporter or logits" )
     prefill_variants "${VECRANK_VARIANTS:-all defaults}" ;;
   oracle)  # the FP8 oracle tests (a model trained in each process, about 60 s) under the
-    # prefill switches still off: both on, each alone, both on again (a process a variant:
+    # prefill switches still off: both on ("all"), each alone, both on again (a process a variant:
     # one trained model failed all four with ROPE_VEC + both on in the 30th session's call,
     # each of ROPE_VEC and SHARED_SILU_QUANT alone passed on other trained models)
-    for v in ${ORACLE_VARIANTS:-both combine shared both}; do
+    for v in ${ORACLE_VARIANTS:-all combine shared all}; do
       left=$(( 545 - $(date +%s) + t0 ))
       if [ "$left" -lt 100 ]; then say "no time for $v"; continue; fi
-      ( case $v in combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
-                   shared) export CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
-                   both) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;; esac
+      ( variant_env "$v" || exit
         echo "== oracle $v" | tee -a "$OUT/pytest-summaries.txt"
         pt $(( left < 200 ? left : 200 )) tests/gpu/test_fp8_gpu.py \
           -k "fake_quant_oracle_on_a_trained_model or shared_expert_as_a_group" )
