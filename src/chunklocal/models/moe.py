@@ -112,6 +112,16 @@ def silu_quant_available(gate_up: torch.Tensor, w: torch.Tensor, act: nn.Module,
             and quant_available(gate_up) and gate_up.is_contiguous())
 
 
+def activation_rows(gate_up: torch.Tensor, w: torch.Tensor, act: nn.Module, scale_ub,
+                    amax_reduce, fuse: bool = True) -> torch.Tensor | QuantRows:
+    """``act(gate) * up`` of ``gate_up``, the input of the GEMM with ``w``: made and
+    quantized by one kernel (``QuantRows``) where ``fuse`` and :func:`silu_quant_available`,
+    else :func:`gated_act`'s product."""
+    if fuse and silu_quant_available(gate_up, w, act, amax_reduce):
+        return QuantRows(*silu_mul_quantize(gate_up, scale_ub), gate_up.dtype)
+    return gated_act(gate_up, act)
+
+
 def expert_mm(x: torch.Tensor | QuantRows, w: torch.Tensor, offs: torch.Tensor,
               w_scale: torch.Tensor | None = None, small_m: bool = False,
               act_scale_ub: float | None = None, amax_reduce=None,
@@ -401,11 +411,7 @@ class MoE(nn.Module):
         # "tp": each rank holds a slice of every pair's w2 input (routing is the same on
         # every rank, so row i is the same pair everywhere): FP8 scales it by its full amax
         split = self.tp.all_reduce_max if self.tp.size > 1 and elsewhere is None else None
-        inner: torch.Tensor | QuantRows
-        if silu_quant_available(gate_up, w2, self.act, split):
-            inner = QuantRows(*silu_mul_quantize(gate_up, ub), gate_up.dtype)
-        else:
-            inner = gated_act(gate_up, self.act)
+        inner = activation_rows(gate_up, w2, self.act, ub, split)
         del gate_up
         rows = expert_mm(inner, w2, offs, s2, small, ub, split, group_rows=tokens)
         del inner
@@ -423,11 +429,7 @@ class MoE(nn.Module):
             return F.linear(gated_act(F.linear(x, ex.w13[-1]), self.act), ex.w2[-1])
         ub = getattr(ex, "act_scale_ub", None)  # FP8: as the shared expert's own layers
         gate_up = fp8_linear(x, ex.w13[-1], s13[-1], act_scale_ub=ub)
-        inner: torch.Tensor | QuantRows
-        if SHARED_SILU_QUANT and silu_quant_available(gate_up, ex.w2, self.act, None):
-            inner = QuantRows(*silu_mul_quantize(gate_up, ub), gate_up.dtype)
-        else:
-            inner = gated_act(gate_up, self.act)
+        inner = activation_rows(gate_up, ex.w2, self.act, ub, None, SHARED_SILU_QUANT)
         del gate_up
         return fp8_linear(inner, ex.w2[-1], s2[-1], act_scale_ub=ub)
 
