@@ -22,6 +22,8 @@
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
 #   bash benchmarks/device_calls.sh verify   # the defaults' paths: attention, engine, memory,
 #                                            # piecewise and norm tests (about 300 s)
+#   bash benchmarks/device_calls.sh checks   # verify's tests, then the oracle tests with both
+#                                            # prefill switches on (one call)
 #   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
 #   bash benchmarks/device_calls.sh sanitize # issue 20: the FA3 probe under each compute-sanitizer tool
 #   bash benchmarks/device_calls.sh ragged   # issue 20, item 4: the step's own keys ragged + paged,
@@ -234,6 +236,16 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       bench "$left" tpot_profile benchmarks.overlap_decode --model $tmodel --kv-cache-dtype fp8 \
         --batches 1 --new 64 --rounds 2 --profile --out "$OUT/tpot_profile"
     else say "no time for the profiled step"; fi ;;
+  checks)  # one call for a session with little device time: the defaults' GPU tests (as
+    # verify's), then the FP8 oracle tests with both prefill switches still off turned on
+    pt 330 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py tests/gpu/test_memory_gpu.py \
+      tests/gpu/test_piecewise_gpu.py tests/gpu/test_norm_triton_gpu.py
+    left=$(( 545 - $(date +%s) + t0 ))
+    if [ "$left" -ge 100 ]; then
+      ( variant_env all
+        echo "== oracle all" | tee -a "$OUT/pytest-summaries.txt"
+        pt "$left" tests/gpu/test_fp8_gpu.py -k "fake_quant_oracle_on_a_trained_model or shared_expert_as_a_group" )
+    else say "no time for the oracle tests"; fi ;;
   suite)
     pt 540 tests/gpu --ignore=tests/gpu/test_engine_gpu.py --ignore=tests/gpu/test_piecewise_gpu.py \
       --ignore=tests/gpu/test_memory_gpu.py --ignore=tests/gpu/test_pdl_gpu.py ;;
@@ -262,7 +274,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, oracle, verify, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, oracle, verify, checks, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
 esac
 # a call brings back at most 8 files: `earlier` leaves the kernels (the AOT ones suffice)
 [ "${1:-ab}" = earlier ] || tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"

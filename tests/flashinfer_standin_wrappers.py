@@ -361,6 +361,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             want = (kv[-1], plan["num_kv_heads"], plan["head_dim"])
             if not torch.is_tensor(t) or tuple(t.shape) != want or t.dtype != plan["kv_dtype"]:
                 raise ValueError(f"{name} must be {plan['kv_dtype']} of shape {want}")
+            if t.stride(-1) != 1:  # the kernels take token and head strides, not this one
+                raise ValueError(f"{name}'s head_dim must be contiguous, strides {t.stride()}")
         core.check_out(out, q, plan["o_dtype"])
         scale = core.softmax_scale(plan, q_scale, k_scale)
         o, row_lse = core.segments(q, lambda i: (k[kv[i]:kv[i + 1]], v[kv[i]:kv[i + 1]]), qo,

@@ -172,8 +172,13 @@ def test_own_keys_ragged_path(seed, chunk, gathered, every_row, monkeypatch):
     if every_row and chunk is None and not gathered:
         from chunklocal.backends.flashinfer.own_keys import ALL_ROWS
         assert all(w.rows is ALL_ROWS for w in md.wrappers.values())
-    out = run_eager(backend, q, k, v, qsl, seq, table,
-                    k=k.view(-1, HKV, D)[rows], v=v.view(-1, HKV, D)[rows])
+    own_k, own_v = k.view(-1, HKV, D)[rows], v.view(-1, HKV, D)[rows]
+    if seed % 2:  # as the engine passes them: strided views of one fused projection's rows
+        fused = torch.full((own_k.shape[0], HQ + 2 * HKV, D), NAN, dtype=DT, device="cuda")
+        fused[:, HQ:HQ + HKV], fused[:, HQ + HKV:] = own_k, own_v
+        own_k, own_v = fused[:, HQ:HQ + HKV], fused[:, HQ + HKV:]
+        assert not own_k.is_contiguous() and not own_v.is_contiguous()
+    out = run_eager(backend, q, k, v, qsl, seq, table, k=own_k, v=own_v)
     check(out, q, k, v, qsl, seq, table, chunk)
 
 

@@ -115,8 +115,11 @@ def plan_block(backend, state, parity: int, index: int, block, host, num_tokens:
 def run_own_keys(step: OwnKeys, q, k, v, k_cache, v_cache, q_scale, merge_state: Any,
                  gather: GatherBuffers) -> torch.Tensor:
     """Attention of one layer's step on the ragged path: a new ``[tokens, Hq, D]``."""
-    o, lse = step.ragged.run(q, k.contiguous(), v.contiguous(), q_scale=q_scale,
-                             return_lse=True)
+    # k and v as the projection left them (v, and a NoPE layer's k, are strided views of
+    # the fused q/k/v output): FlashInfer's ragged kernels (FA2 and FA3) take the token and
+    # head strides (``k.stride(0)``, ``k.stride(1)``), where ``.contiguous()`` copied both
+    # [T, Hkv, D] tensors of every layer (a 12-layer 8k prefill step: 15 copies, 0.4 ms)
+    o, lse = step.ragged.run(q, k, v, q_scale=q_scale, return_lse=True)
     if step.earlier is not None:
         o, lse = _merge_part(step.rows, lambda rows_q: step.earlier.run(
             rows_q, (k_cache, v_cache), q_scale=q_scale, return_lse=True), q, o, lse,
