@@ -91,6 +91,8 @@ variant_env() {  # variant_env NAME: export a prefill variant's switches (in a s
              combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
              shared) export CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
              all) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
+             quant2) export CHUNKLOCAL_FP8_QUANT_ONE_PASS=0 ;;  # the quantization's two-pass
+               # form (smaller blocks, more programs a multiprocessor), measured at batch 1 only
              defaults) ;;
              *) echo "unknown variant: $1"; return 1 ;; esac
 }
