@@ -236,6 +236,13 @@ def test_ragged_own_keys_merged_with_paged_earlier_keys_is_the_reference(fi, chu
     want = ref(b) if chunk is None else reference_attention(
         b.q.double(), b.k.double(), b.v.double(), b.qsl, b.seq, b.table, chunk_size=chunk)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    # strided views (the fused projection's rows, as the engine passes them) give the same
+    # output; a head_dim that is not contiguous is refused, as the kernels index it densely
+    fused = torch.cat([k_new, v_new], dim=1)
+    strided = ragged.run(b.q, fused[:, :HKV], fused[:, HKV:])
+    torch.testing.assert_close(strided, ragged.run(b.q, k_new, v_new), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="head_dim must be contiguous"):
+        ragged.run(b.q, k_new.transpose(1, 2).contiguous().transpose(1, 2), v_new)
 
 
 @pytest.mark.parametrize("tensor_cores, hq", [(True, HQ), (False, 16), (False, 48)])
