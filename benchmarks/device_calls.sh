@@ -109,6 +109,18 @@ prefill_variants() {  # prefill_variants "VARIANTS": 8k and 32k prefill, one pro
   done
   tar czf "$OUT/prefill_json.tgz" -C /tmp pj 2>/dev/null
 }
+verify_tests() {  # verify_tests LIMIT_S: the defaults' GPU paths (attention: own keys, the
+  # all-rows merge, the gathered earlier keys; the engine's tokens, the memory profile,
+  # piecewise graphs, rope)
+  pt "$1" tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py tests/gpu/test_memory_gpu.py \
+    tests/gpu/test_piecewise_gpu.py tests/gpu/test_norm_triton_gpu.py
+}
+oracle_tests() {  # oracle_tests VARIANT LIMIT_S: the FP8 oracle tests (a model trained in
+  # the process) with a prefill variant's switches
+  ( variant_env "$1" || exit
+    echo "== oracle $1" | tee -a "$OUT/pytest-summaries.txt"
+    pt "$2" tests/gpu/test_fp8_gpu.py -k "fake_quant_oracle_on_a_trained_model or shared_expert_as_a_group" )
+}
 case ${1:-ab} in
   ab)
     case $cold in 0) first=140 ;; aot) first=180 ;; *) first=230 ;; esac
@@ -167,10 +179,7 @@ case ${1:-ab} in
     for v in ${ORACLE_VARIANTS:-all combine shared all}; do
       left=$(( 545 - $(date +%s) + t0 ))
       if [ "$left" -lt 100 ]; then say "no time for $v"; continue; fi
-      ( variant_env "$v" || exit
-        echo "== oracle $v" | tee -a "$OUT/pytest-summaries.txt"
-        pt $(( left < 200 ? left : 200 )) tests/gpu/test_fp8_gpu.py \
-          -k "fake_quant_oracle_on_a_trained_model or shared_expert_as_a_group" )
+      oracle_tests "$v" $(( left < 200 ? left : 200 ))
     done
     # the shared expert now runs before the routed ones (after the 30th session's calls)
     left=$(( 560 - $(date +%s) + t0 ))
@@ -228,10 +237,8 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
   stress)
     bench 470 prefill_stress benchmarks.prefill_stress --random-budget-s 330 --deadline-s 420 \
       --out "$OUT/prefill_stress.json" ;;
-  verify)  # the defaults' GPU paths first: attention (own keys, the all-rows merge, the
-    # gathered earlier keys), the engine's tokens, the memory profile, piecewise graphs, rope
-    pt 500 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py tests/gpu/test_memory_gpu.py \
-      tests/gpu/test_piecewise_gpu.py tests/gpu/test_norm_triton_gpu.py
+  verify)  # the defaults' GPU paths first (verify_tests)
+    verify_tests 500
     # then issue 19's async batch-1 step with the defaults, profiled (kernel classes, idle)
     left=$(( 545 - $(date +%s) + t0 ))
     if [ "$left" -ge 120 ]; then
@@ -240,13 +247,9 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
     else say "no time for the profiled step"; fi ;;
   checks)  # one call for a session with little device time: the defaults' GPU tests (as
     # verify's), then the FP8 oracle tests with both prefill switches still off turned on
-    pt 330 tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py tests/gpu/test_memory_gpu.py \
-      tests/gpu/test_piecewise_gpu.py tests/gpu/test_norm_triton_gpu.py
+    verify_tests 330
     left=$(( 545 - $(date +%s) + t0 ))
-    if [ "$left" -ge 100 ]; then
-      ( variant_env all
-        echo "== oracle all" | tee -a "$OUT/pytest-summaries.txt"
-        pt "$left" tests/gpu/test_fp8_gpu.py -k "fake_quant_oracle_on_a_trained_model or shared_expert_as_a_group" )
+    if [ "$left" -ge 100 ]; then oracle_tests all "$left"
     else say "no time for the oracle tests"; fi ;;
   suite)
     pt 540 tests/gpu --ignore=tests/gpu/test_engine_gpu.py --ignore=tests/gpu/test_piecewise_gpu.py \

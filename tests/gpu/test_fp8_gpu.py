@@ -260,7 +260,6 @@ def oracle_report(llm, oracle, prompts, outs, top_k: int = 1) -> dict:
                 logit_error_q=logit_error.quantile(q).tolist())
 
 
-
 @pytest.fixture(scope="module")
 def trained(copy_model):
     from transformers import Llama4ForCausalLM
