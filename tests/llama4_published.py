@@ -358,8 +358,7 @@ def routing_flips(want: list[torch.Tensor], got: list[torch.Tensor], top_k: int)
     flipped = torch.zeros(want[0].shape[0], dtype=torch.bool)
     closeness = torch.full(flipped.shape, float("inf"))
     for a, b in zip(want, got, strict=True):
-        top = a.topk(top_k + 1, dim=-1)
-        differ = (top.indices[:, :top_k].sort(-1).values
+        differ = (a.topk(top_k, dim=-1).indices.sort(-1).values
                   != b.topk(top_k, dim=-1).indices.sort(-1).values).any(-1)
         flipped |= differ
         closeness = torch.where(differ, torch.minimum(closeness, relative_margin(a, top_k)),
