@@ -82,15 +82,21 @@ ab_tokens() {  # the engine's tokens with the in-kernel router on (PDL and the G
 # arguments, the model of the decode benchmarks, prefill_profile's --models
 if [ "$big" = 1 ]; then model="--model scout-fp8 --repeats 3"; tmodel=scout-fp8; pmodel=""
 else model="--model scout-fp8-12 --repeats 4"; tmodel=scout-fp8-12; pmodel="--models scout-fp8-12"; fi
-variant_env() {  # variant_env NAME: export a prefill variant's switches (in a subshell);
-  # "defaults" exports none.  all: every prefill switch still off (ROPE_VEC is a default
-  # since the 30th session; novec turns it off)
+variant_env() {  # variant_env NAME[+NAME...]: export a prefill variant's switches (in a
+  # subshell); "defaults" exports none.  all: every prefill switch still off (ROPE_VEC is a
+  # default since the 30th session; novec turns it off); "all+fast": both sets
+  local part
+  if [ "${1#*+}" != "$1" ]; then
+    for part in ${1//+/ }; do variant_env "$part" || return 1; done; return 0
+  fi
   case $1 in own0) export CHUNKLOCAL_RAGGED_OWN_KEYS=0 ;;
              paged) export CHUNKLOCAL_RAGGED_EARLIER=0 ;;
              novec) export CHUNKLOCAL_ROPE_VEC=0 ;;
              combine) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 ;;
              shared) export CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
              all) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
+             fastx) export CHUNKLOCAL_FP8_FAST_ACCUM=experts ;;  # unpromoted FP8 partial
+             fast) export CHUNKLOCAL_FP8_FAST_ACCUM=1 ;;         # sums: experts; all GEMMs
              quant2) export CHUNKLOCAL_FP8_QUANT_ONE_PASS=0 ;;  # the quantization's two-pass
                # form (smaller blocks, more programs a multiprocessor), measured at batch 1 only
              defaults) ;;
@@ -248,6 +254,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
   checks)  # one call for a session with little device time: the defaults' GPU tests (as
     # verify's), then the FP8 oracle tests with both prefill switches still off turned on
     verify_tests 330
+    pt 60 tests/gpu/test_fp8_gpu.py -s -k fast_accum_error  # -s: its printed error ratios
     left=$(( 545 - $(date +%s) + t0 ))
     if [ "$left" -ge 100 ]; then oracle_tests all "$left"
     else say "no time for the oracle tests"; fi ;;

@@ -19,6 +19,7 @@ from chunklocal.models.quant import (
     dequantize,
     fp8_grouped_mm,
     fp8_linear,
+    parse_fast_accum,
     quantize_per_token,
 )
 from chunklocal.models.quant_config import parse_quantization_config
@@ -185,3 +186,15 @@ def test_moe_expert_mm_passes_the_activation_scale_bound():
     capped = expert_mm(x, w, offs, w_scale, act_scale_ub=1.0)
     torch.testing.assert_close(capped, fp8_grouped_mm(x, w, w_scale, offs, act_scale_ub=1.0))
     assert not torch.allclose(capped, expert_mm(x, w, offs, w_scale))
+
+
+def test_fast_accum_switch_forms_and_refusal():
+    """CHUNKLOCAL_FP8_FAST_ACCUM's three forms; anything else is refused naming the variable
+    (a typo must not leave the promoting GEMMs on unnoticed).  The GPU test
+    test_fast_accum_error_at_prefill_sizes measures what each form costs in accuracy."""
+    assert parse_fast_accum("0") == (False, False)
+    assert parse_fast_accum("experts") == (True, False)
+    assert parse_fast_accum("1") == (True, True)
+    for bad in ("", "true", "dense", "2"):
+        with pytest.raises(ValueError, match="CHUNKLOCAL_FP8_FAST_ACCUM"):
+            parse_fast_accum(bad)

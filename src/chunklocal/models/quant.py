@@ -15,6 +15,7 @@ against.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,26 @@ AMAX_FLOOR = 1e-12       # an all-zero row quantizes to zeros instead of dividin
 # torch's path, and 50 us against 23-28 us at 64 rows (it re-streams the weights per
 # 16-row tile).
 SMALL_M_ROWS = 16
+
+
+def parse_fast_accum(value: str) -> tuple[bool, bool]:
+    """(routed experts, dense layers) from ``CHUNKLOCAL_FP8_FAST_ACCUM``."""
+    forms = {"0": (False, False), "experts": (True, False), "1": (True, True)}
+    if value not in forms:
+        raise ValueError(f"CHUNKLOCAL_FP8_FAST_ACCUM={value!r}: expected one of {sorted(forms)}")
+    return forms[value]
+
+
+#: Which of torch's FP8 GEMMs (the prefill-sized ones: decode sizes take the Triton kernels)
+#: keep the tensor cores' own FP8 partial sums instead of promoting them to float32 every few
+#: K blocks (``use_fast_accum``): ``0`` none, ``experts`` the routed experts' grouped GEMM,
+#: ``1`` that and the dense layers.  vLLM's sm90 FP8 kernels (CUTLASS's FP8FastAccum
+#: schedules, its Triton MoE kernel) all accumulate so; with it torch's grouped kernel also
+#: takes a 256 x 128 tile where the promoting form keeps 128 x 128 (ScaledGroupMM.cu).  Off
+#: until the oracle tests and the prefill A/B on a GPU decide (the promoting grouped GEMM ran
+#: at 74% of the FP8 matmul rate in the 12-layer 8k prefill step, BENCHMARKS.md).
+FAST_ACCUM_EXPERTS, FAST_ACCUM_DENSE = parse_fast_accum(
+    os.environ.get("CHUNKLOCAL_FP8_FAST_ACCUM", "0"))
 
 
 def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None, amax_reduce=None):
@@ -97,7 +118,8 @@ def fp8_linear(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tens
         # product afterwards it would round twice.
         fused = bias is not None and bias.dtype == torch.bfloat16
         out = torch._scaled_mm(x_fp8, w.t(), scale_a=scale, scale_b=w_scale.float().view(1, -1),
-                               bias=bias if fused else None, out_dtype=torch.bfloat16)
+                               bias=bias if fused else None, out_dtype=torch.bfloat16,
+                               use_fast_accum=FAST_ACCUM_DENSE)
         if bias is not None and not fused:
             out = out.float() + bias
         return out.to(dtype)
@@ -121,7 +143,8 @@ def fp8_grouped_mm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.
         (x_fp8, scale), dtype = quantize_per_token(x, act_scale_ub, amax_reduce), x.dtype
     if x_fp8.is_cuda:
         out = torch._scaled_grouped_mm(x_fp8, w.transpose(-2, -1), scale.view(-1),
-                                       w_scale.float(), offs=offs, out_dtype=torch.bfloat16)
+                                       w_scale.float(), offs=offs, out_dtype=torch.bfloat16,
+                                       use_fast_accum=FAST_ACCUM_EXPERTS)
         return out.to(dtype)
     out = torch.zeros(x_fp8.shape[0], w.shape[1], dtype=torch.float32)
     x_deq = x_fp8.float() * scale
