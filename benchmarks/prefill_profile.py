@@ -215,6 +215,8 @@ def main(argv=None) -> int:
             if gaps:  # launch-sized gaps against a host that fell behind
                 print("  idle gaps per step:", {k: f"{v['gaps']:.0f} = {v['ms']:.2f} ms"
                                                 for k, v in gaps.items()})
+                for gap in row["profile"].get("largest_idle_gaps", [])[:3]:  # who waited
+                    print(f"  {gap['us']} us after {gap['after'][:50]} before {gap['before'][:50]}")
     path = write_json(name, {"args": vars(args), "rates": rates, "rows": rows,
                              "errors": errors}, args.out)
     print(f"wrote {path}")
