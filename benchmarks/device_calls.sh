@@ -97,6 +97,7 @@ variant_env() {  # variant_env NAME[+NAME...]: export a prefill variant's switch
              all) export CHUNKLOCAL_MOE_COMBINE_RANKED=1 CHUNKLOCAL_MOE_SHARED_SILU_QUANT=1 ;;
              fastx) export CHUNKLOCAL_FP8_FAST_ACCUM=experts ;;  # unpromoted FP8 partial
              fast) export CHUNKLOCAL_FP8_FAST_ACCUM=1 ;;         # sums: experts; all GEMMs
+             promoted) export CHUNKLOCAL_FP8_FAST_ACCUM=0 ;;     # (the default since s32)
              quant2) export CHUNKLOCAL_FP8_QUANT_ONE_PASS=0 ;;  # the quantization's two-pass
                # form (smaller blocks, more programs a multiprocessor), measured at batch 1 only
              defaults) ;;

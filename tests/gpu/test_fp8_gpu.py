@@ -54,6 +54,12 @@ BF16_U = 2.0 ** -8   # unit roundoff of bf16 (8 significant bits): one rounding 
 # tensor cores' partial sums are coarser (the H200 needed up to 2**-14 where the quantized
 # operands matched bit for bit), so the bound allows 2**-12.
 ACC_U = 2.0 ** -12
+# The FP8 tensor cores' own partial sums (``use_fast_accum``, CHUNKLOCAL_FP8_FAST_ACCUM, the
+# default) are not promoted to float32 every few K blocks.  On an H100 (32nd session) the
+# worst element of torch's grouped and dense products at K = 5120 and 8192 used 0.13-0.15
+# of 2**-8 (about 2**-11), the promoting form 0.53-0.57 of ACC_U
+# (test_fast_accum_error_at_prefill_sizes); allowed 2**-9, twice the worst seen.
+FAST_ACC_U = 2.0 ** -9
 CLEAR_MARGIN = 1.0   # oracle top-1 minus top-2 logit from which a choice counts as clear
 FORCED_MIN = 0.99    # teacher-forced top-1 agreement with the oracle
 # How far the engine may move the oracle's top-1 minus top-2 logit at any teacher-forced
@@ -113,21 +119,32 @@ def test_per_token_quantization_is_the_cpus_bit_for_bit(m):
         assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
 
 
+@pytest.fixture(params=[False, True], ids=["promoting", "fast-accum"])
+def accumulation(request, monkeypatch):
+    """Both forms of torch's FP8 GEMMs (CHUNKLOCAL_FP8_FAST_ACCUM), whatever the default:
+    the accumulation bound each is held to."""
+    from chunklocal.models import quant
+
+    monkeypatch.setattr(quant, "FAST_ACCUM_EXPERTS", request.param)
+    monkeypatch.setattr(quant, "FAST_ACCUM_DENSE", request.param)
+    return FAST_ACC_U if request.param else ACC_U
+
+
 @pytest.mark.parametrize("m", [1, 7, 64, 300, 1000])
-def test_scaled_mm_equals_cpu_reference(m):
+def test_scaled_mm_equals_cpu_reference(m, accumulation):
     w, scale = fp8_weights(1, 384, 256, seed=m + 1000)  # seeds apart from x's: uncorrelated
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     bias = torch.randn(384, generator=torch.Generator().manual_seed(2)).bfloat16()
     got = fp8_linear(x.cuda(), w[0].cuda(), scale[0].cuda(), bias.cuda())
     want = fp8_linear(x.float(), w[0], scale[0], bias.float())
     assert got.dtype == torch.bfloat16 and got.shape == (m, 384)
-    assert error_ratio(got, x, w, scale, want) <= 1.0
+    assert error_ratio(got, x, w, scale, want, acc_u=accumulation) <= 1.0
 
 
 @pytest.mark.parametrize("sizes", [[16, 32, 0, 48], [1, 0, 5, 3, 0, 7, 2, 1], [0, 0, 130, 1],
                                    [37, 0, 300, 1, 90, 84]],
                          ids=["aligned", "ragged", "empty-groups", "prefill-sized"])
-def test_scaled_grouped_mm_equals_cpu_reference(sizes):
+def test_scaled_grouped_mm_equals_cpu_reference(sizes, accumulation):
     """Expert groups of any size (not multiples of 16, empty ones too), as routing gives."""
     e, n, k = len(sizes), 256, 128
     w, scale = fp8_weights(e, n, k, seed=e)
@@ -137,13 +154,7 @@ def test_scaled_grouped_mm_equals_cpu_reference(sizes):
     got = fp8_grouped_mm(x.cuda(), w.cuda(), scale.cuda(), offs.cuda())
     want = fp8_grouped_mm(x.float(), w, scale, offs)
     rows_of = torch.repeat_interleave(torch.arange(e), torch.tensor(sizes))
-    assert error_ratio(got[:m], x, w, scale, want, rows_of) <= 1.0
-
-
-# The FP8 tensor cores' own partial sums (``use_fast_accum``, CHUNKLOCAL_FP8_FAST_ACCUM) are
-# not promoted to float32 every few K blocks; DeepSeek-V3's report measured about 14 bits
-# kept by them.  Allowed: 16x ACC_U, a bound this test is to confirm or correct on a GPU.
-FAST_ACC_U = 2.0 ** -8
+    assert error_ratio(got[:m], x, w, scale, want, rows_of, acc_u=accumulation) <= 1.0
 
 
 @pytest.mark.parametrize("k", [5120, 8192], ids=["k5120", "k8192"])  # Scout: w13's K, w2's K
@@ -151,7 +162,7 @@ def test_fast_accum_error_at_prefill_sizes(k, monkeypatch):
     """torch's grouped and dense FP8 GEMMs at a prefill step's group sizes and Scout's inner
     dimensions, against float64 products of the same quantized operands: the promoting form
     within ACC_U, the fast-accumulation form (CHUNKLOCAL_FP8_FAST_ACCUM) within FAST_ACC_U.
-    Both ratios are printed, the figure docs/switches.md's row is to cite."""
+    Both ratios are printed (the figures FAST_ACC_U's comment cites)."""
     from chunklocal.models import quant
 
     sizes, n = [600, 0, 1000], 256
