@@ -25,6 +25,7 @@
 #   bash benchmarks/device_calls.sh checks   # verify's tests, then the oracle tests with both
 #                                            # prefill switches on (one call)
 #   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
+#   bash benchmarks/device_calls.sh quantrows # FP8 quantization's warps / blocks at prefill sizes
 #   bash benchmarks/device_calls.sh sanitize # issue 20: the FA3 probe under each compute-sanitizer tool
 #   bash benchmarks/device_calls.sh ragged   # issue 20, item 4: the step's own keys ragged + paged,
 #                                            # merged by LSE, against paged only (never run)
@@ -259,6 +260,8 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
     left=$(( 545 - $(date +%s) + t0 ))
     if [ "$left" -ge 100 ]; then oracle_tests all "$left"
     else say "no time for the oracle tests"; fi ;;
+  quantrows)  # the quantization kernel's launch choices at prefill sizes (8,192 rows)
+    bench 200 quant_rows benchmarks.quant_rows --out "$OUT" ;;
   suite)
     pt 540 tests/gpu --ignore=tests/gpu/test_engine_gpu.py --ignore=tests/gpu/test_piecewise_gpu.py \
       --ignore=tests/gpu/test_memory_gpu.py --ignore=tests/gpu/test_pdl_gpu.py ;;

@@ -240,6 +240,36 @@ def test_fp8_small_m_sweep_in_the_interpreter(tmp_path):
                for r in gemv16)
 
 
+def test_quant_rows_smoke_in_the_interpreter(tmp_path):
+    """benchmarks.quant_rows: each shape's launch choices (the default first) give the
+    default's bits, in Triton's interpreter; a one-pass block narrower than the row is
+    refused, not run over half a row."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from chunklocal.models import quant_triton
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "benchmarks.quant_rows", "--smoke", "--out",
+                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    data = _load(tmp_path / "quant_rows_smoke.json")
+    assert data["errors"] == []
+    assert [(r["shape"], r["k"]) for r in data["rows"]] == [("input", 96), ("gather", 96),
+                                                           ("silu", 64)]
+    assert data["default"] == {"input": "one_b128_w4", "gather": "one_b128_w4",
+                               "silu": "one_b64_w4"}
+    assert {"one_b128_w16_us", "two_b32_w4_us", "two_b64_w4_us"} <= set(data["rows"][0])
+    with pytest.raises(ValueError, match="BLOCK_K of 64 cannot hold rows of 96"):
+        quant_triton.quantize_rows(torch.zeros(2, 96, dtype=torch.bfloat16),
+                                   config=(True, 64, 4))
+
+
 def test_gc_pauses_smoke(tmp_path, monkeypatch):
     """Both modes run on one engine; the frozen one holds the start-up heap frozen."""
     import gc

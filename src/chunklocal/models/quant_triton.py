@@ -190,7 +190,8 @@ if triton is not None:
 
 
 def quantize_rows(x: torch.Tensor, scale_ub: float | None = None, rows: torch.Tensor | None
-                  = None, row_scale: torch.Tensor | None = None
+                  = None, row_scale: torch.Tensor | None = None, *,
+                  config: tuple[bool, int, int] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quant.quantize_per_token(x, scale_ub)`` in one kernel: ``x [M, K]`` (last dim
     contiguous) -> (``[M, K]`` float8_e4m3fn, ``[M, 1]`` float32 scales).
@@ -211,10 +212,12 @@ def quantize_rows(x: torch.Tensor, scale_ub: float | None = None, rows: torch.Te
         num_rows = rows.shape[0]
     if x.stride(1) != 1:
         raise ValueError("quantize_rows needs rows contiguous along K")
-    return _quantize(x, num_rows, k_dim, scale_ub, rows, row_scale, silu_mul=False)
+    return _quantize(x, num_rows, k_dim, scale_ub, rows, row_scale, silu_mul=False,
+                     config=config)
 
 
-def silu_mul_quantize(gate_up: torch.Tensor, scale_ub: float | None = None
+def silu_mul_quantize(gate_up: torch.Tensor, scale_ub: float | None = None, *,
+                      config: tuple[bool, int, int] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_per_token(silu(gate) * up, scale_ub)`` for ``gate_up = [gate | up]`` [M,
     2I] (contiguous rows) -> (``[M, I]`` float8_e4m3fn, ``[M, 1]`` float32 scales), in one
@@ -227,25 +230,38 @@ def silu_mul_quantize(gate_up: torch.Tensor, scale_ub: float | None = None
     if width % 2 or not gate_up.is_contiguous():
         raise ValueError(f"silu_mul_quantize needs contiguous [M, 2I] rows, got "
                          f"{tuple(gate_up.shape)} with strides {gate_up.stride()}")
-    return _quantize(gate_up, num_rows, width // 2, scale_ub, None, None, silu_mul=True)
+    return _quantize(gate_up, num_rows, width // 2, scale_ub, None, None, silu_mul=True,
+                     config=config)
 
 
-def _quantize(x, num_rows: int, k_dim: int, scale_ub, rows, row_scale, *, silu_mul: bool):
+def launch_config(k_dim: int) -> tuple[bool, int, int]:
+    """The quantization kernel's (one pass, ``BLOCK_K``, warps) for rows of ``k_dim``:
+    one pass where :data:`ONE_PASS_ENABLED` and the row fits :data:`ONE_PASS_MAX_K` (the
+    block then covers the row), else loads of at most :data:`MAX_BLOCK_K`; warps by block
+    size.  ``benchmarks/quant_rows.py`` times the alternatives at prefill sizes."""
+    one_pass = ONE_PASS_ENABLED and k_dim <= ONE_PASS_MAX_K
+    block_k = triton.next_power_of_2(k_dim)
+    if not one_pass:
+        block_k = min(block_k, MAX_BLOCK_K)
+    return one_pass, block_k, 4 if block_k <= 1024 else 8 if block_k <= 4096 else 16
+
+
+def _quantize(x, num_rows: int, k_dim: int, scale_ub, rows, row_scale, *, silu_mul: bool,
+              config: tuple[bool, int, int] | None = None):
     """The one launch of :func:`quantize_rows` and :func:`silu_mul_quantize`: ``num_rows``
     rows of ``k_dim`` quantized values (made from ``x`` as the kernel's GATHER / SILU_MUL
-    forms say) and their scales."""
+    forms say) and their scales.  ``config`` overrides :func:`launch_config` (one pass,
+    ``BLOCK_K``, warps; the benchmark's sweep): the same bits whatever it is."""
     q = torch.empty(num_rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     if num_rows:
-        one_pass = ONE_PASS_ENABLED and k_dim <= ONE_PASS_MAX_K
-        block_k = triton.next_power_of_2(k_dim)
-        if not one_pass:
-            block_k = min(block_k, MAX_BLOCK_K)
+        one_pass, block_k, warps = launch_config(k_dim) if config is None else config
+        if one_pass and block_k < k_dim:
+            raise ValueError(f"a one-pass BLOCK_K of {block_k} cannot hold rows of {k_dim}")
         gather = rows is not None
         _quantize_rows_kernel[(num_rows,)](
             x, q, scale, rows if gather else x, row_scale if gather else x, k_dim,
             0.0 if scale_ub is None else float(scale_ub), x.stride(0), q.stride(0),
             HAS_UB=scale_ub is not None, GATHER=gather, SILU_MUL=silu_mul, ONE_PASS=one_pass,
-            BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8 if block_k <= 4096 else 16,
-            **pdl_args(x))
+            BLOCK_K=block_k, num_warps=warps, **pdl_args(x))
     return q, scale
