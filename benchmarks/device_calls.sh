@@ -256,7 +256,12 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
   checks)  # one call for a session with little device time: the defaults' GPU tests (as
     # verify's), then the FP8 oracle tests with both prefill switches still off turned on
     verify_tests 330
-    pt 60 tests/gpu/test_fp8_gpu.py -s -k fast_accum_error  # -s: its printed error ratios
+    # torch's FP8 GEMMs in both accumulation forms (the `accumulation` fixture); -s: the
+    # printed error ratios
+    pt 90 tests/gpu/test_fp8_gpu.py -s -k "fast_accum_error or scaled_mm_equals or scaled_grouped_mm_equals"
+    left=$(( 545 - $(date +%s) + t0 ))
+    if [ "$left" -ge 100 ]; then bench 150 quant_rows benchmarks.quant_rows --out "$OUT"
+    else say "no time for quant_rows"; fi
     left=$(( 545 - $(date +%s) + t0 ))
     if [ "$left" -ge 100 ]; then oracle_tests all "$left"
     else say "no time for the oracle tests"; fi ;;
