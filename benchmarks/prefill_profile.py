@@ -18,6 +18,10 @@ Then torch.profiler over ``--profile-steps`` steps of fresh ``--chunk``-token pr
 0) gives device time per kernel class (``floors.kernel_class``), each GEMM and attention
 class beside its FLOPs in that step and its share of its own unit's rate, and the device's
 idle time per step.  Issue 20's target: the prefill at 70% of its floor at 8k and 32k.
+Each length is timed twice: through ``ModelRunner.run`` a step at a time (``prefill_s``,
+``share``: the host builds each step while the device waits) and through ``LLM.generate``
+(``prefill_s_loop``, ``share_loop``: the engine's loop, which overlaps a step's host work
+with the step before it where ``async_scheduling`` is on, its default at one rank).
 
     python -m benchmarks.prefill_profile --out $OUT
     python -m benchmarks.prefill_profile --models scout4 maverick4 --prompts 8192 --out $OUT
@@ -127,6 +131,23 @@ def prefill_once(llm, prompt_len: int, seq_id: int, steps: int | None = None) ->
     return run_prompt(llm, seq_id, prompt, steps)
 
 
+def prefill_through_loop(llm, prompt_len: int, seed: int) -> tuple[float, int]:
+    """Seconds for a random ``prompt_len`` prompt through ``LLM.generate`` (one token
+    out): the engine core's loop, which with ``async_scheduling`` (on by default at one
+    rank) builds step n+1's inputs and plans while the device runs step n, where
+    ``run_prompt`` waits for each step's token first; and the steps it took."""
+    prompt = np.random.default_rng(seed).integers(0, llm.config.vocab_size,
+                                                  prompt_len).tolist()
+    start = time.perf_counter()
+    llm.generate([prompt], max_new_tokens=1, ignore_eos=True, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    stats = llm.last_stats
+    if stats is None or stats.prompt_tokens != prompt_len:
+        raise RuntimeError(f"LLM.generate prefilled {stats and stats.prompt_tokens} tokens, "
+                           f"not {prompt_len}")
+    return seconds, stats.steps
+
+
 def model_rows(model: str, args, rates, device) -> list[dict]:
     import chunklocal
 
@@ -155,6 +176,15 @@ def model_rows(model: str, args, rates, device) -> list[dict]:
         lambda: prefill_once(llm, args.chunk, next(ids), steps=1),
         args.profile_steps, device)
     llm.scheduler.abort_all()
+    # The same lengths through the engine's own loop (after the direct runs: its thread
+    # then drives the scheduler), a warm-up call first for the thread's start.
+    prefill_through_loop(llm, args.chunk, 2 * 10**6)
+    for n, row in enumerate(rows):
+        row["prefill_s_loop"], row["steps_loop"] = prefill_through_loop(
+            llm, row["prompt_len"], 2 * 10**6 + 1 + n)
+        row["share_loop"] = row["floor_s"] / row["prefill_s_loop"]
+        print(f"{model} {row['prompt_len']} through LLM.generate: {row['prefill_s_loop']:.4f} s"
+              f" = {row['share_loop']:.1%} of the floor", flush=True)
     step = prefill_split(llm.config, llm.layer_kinds, params, args.chunk)
     rows[-1]["profile"] = profile | {
         "step_flops": step, "class_rates": class_rates(profile, step, rates,

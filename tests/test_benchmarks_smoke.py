@@ -914,6 +914,10 @@ def test_prefill_profile_smoke_and_its_flop_split(tmp_path, monkeypatch):
     assert prefill_profile.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = _load(tmp_path / "prefill_profile_smoke.json")
     assert [(r["prompt_len"], r["steps"]) for r in data["rows"]] == [(40, 2), (90, 3)]
+    # through LLM.generate too: the same steps (the first sampled token ends the request)
+    assert [r["steps_loop"] for r in data["rows"]] == [2, 3]
+    assert all(r["share_loop"] == pytest.approx(r["floor_s"] / r["prefill_s_loop"])
+               for r in data["rows"])
     assert data["rows"][-1]["profile"]["step_flops"]["bf16"] > 0  # kernels: CUDA only
     import chunklocal
 
