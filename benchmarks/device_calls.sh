@@ -26,6 +26,7 @@
 #                                            # prefill switches on (one call)
 #   bash benchmarks/device_calls.sh suite    # the rest of tests/gpu
 #   bash benchmarks/device_calls.sh quantrows # FP8 quantization's warps / blocks at prefill sizes
+#   bash benchmarks/device_calls.sh serve    # issue 24: full-size Scout FP8 1k/1k, 256 clients (H200)
 #   bash benchmarks/device_calls.sh sanitize # issue 20: the FA3 probe under each compute-sanitizer tool
 #   bash benchmarks/device_calls.sh ragged   # issue 20, item 4: the step's own keys ragged + paged,
 #                                            # merged by LSE, against paged only (never run)
@@ -290,12 +291,25 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
   quick)
     pt 80 tests/gpu/test_fp8_quant_gpu.py
     pt 90 tests/gpu/test_fp8_triton_gpu.py -k gemv ;;
+  serve)  # issue 24: full-size Scout FP8, 1k prompts / 1k new tokens through the server,
+    # 256 clients (an H200: the weights are 105 GiB).  SERVE_MAX_SEQS caps the requests in
+    # flight (256 x 2048 tokens overfill the KV pool's 313k a group, so the twentieth
+    # session's run preempted); SERVE_REQUESTS: three waves by default, so the steady state
+    # outweighs the ramp and the tail
+    if [ "$big" != 1 ]; then say "serve needs an H200"; exit 0; fi
+    timeout 560 python3 -m benchmarks.serve --make-scout-fp8 /tmp/sfp8 --launch /tmp/sfp8 \
+      --routing balanced --serve-args "--load-format dummy --kv-cache-dtype fp8 \
+      --gpu-memory-utilization 0.97 --max-model-len 2304 --max-num-seqs ${SERVE_MAX_SEQS:-256}" \
+      --clients 256 --requests "${SERVE_REQUESTS:-768}" --duration 330 --timeout 420 \
+      --prompt-tokens 1024 --max-tokens 1024 --max-token-id 100000 --verify 0 --progress 10 \
+      --server-log "$OUT/server.log" --out "$OUT" 2>&1 | tail -40
+    echo "rc=${PIPESTATUS[0]}" ;;
   splitkv)
     for len in 1024 131072; do
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, oracle, verify, checks, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, oracle, verify, checks, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens, quantrows, serve)"; exit 2 ;;
 esac
 # a call brings back at most 8 files: `earlier` leaves the kernels (the AOT ones suffice)
 [ "${1:-ab}" = earlier ] || tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
