@@ -266,6 +266,12 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
     left=$(( 545 - $(date +%s) + t0 ))
     if [ "$left" -ge 100 ]; then oracle_tests all "$left"
     else say "no time for the oracle tests"; fi ;;
+  fastchecks)  # a short call (CALL_S seconds, 330 by default): torch's FP8 GEMMs in both
+    # accumulation forms, quant_rows, then verify's tests in what is left
+    pt 90 tests/gpu/test_fp8_gpu.py -s -k "fast_accum_error or scaled_mm_equals or scaled_grouped_mm_equals"
+    bench 150 quant_rows benchmarks.quant_rows --out "$OUT"
+    left=$(( ${CALL_S:-330} - $(date +%s) + t0 ))
+    if [ "$left" -ge 60 ]; then verify_tests "$left"; else say "no time for verify's tests"; fi ;;
   quantrows)  # the quantization kernel's launch choices at prefill sizes (8,192 rows)
     bench 200 quant_rows benchmarks.quant_rows --out "$OUT" ;;
   suite)
@@ -309,7 +315,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, oracle, verify, checks, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens, quantrows, serve)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, oracle, verify, checks, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens, quantrows, serve, fastchecks)"; exit 2 ;;
 esac
 # a call brings back at most 8 files: `earlier` leaves the kernels (the AOT ones suffice)
 [ "${1:-ab}" = earlier ] || tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
