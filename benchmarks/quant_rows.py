@@ -43,11 +43,12 @@ def shapes(rows: int, hidden: int, inter: int) -> dict:
             "silu": (2 * inter, inter, "silu")}
 
 
-def configs(k_dim: int, two_pass=TWO_PASS) -> list[tuple[bool, int, int]]:
+def configs(k_dim: int, rows: int, silu: bool, two_pass=TWO_PASS
+            ) -> list[tuple[bool, int, int]]:
     """The default first, then every one-pass warp count (where a block holds the row)
     and the two-pass blocks narrower than the row."""
     block = 1 << (k_dim - 1).bit_length()
-    choices = [quant_triton.launch_config(k_dim)]
+    choices = [quant_triton.launch_config(k_dim, rows, silu)]
     choices += [(True, block, w) for w in ONE_PASS_WARPS]
     choices += [(False, b, w) for b, w in two_pass if b < k_dim]
     return list(dict.fromkeys(choices))
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
         if copy_rate:
             row["floor_us"] = moved / copy_rate * 1e6
         want = call(None)
-        for config in configs(k_dim, SMOKE_TWO_PASS if args.smoke else TWO_PASS):
+        for config in configs(k_dim, rows, form == "silu",
+                              SMOKE_TWO_PASS if args.smoke else TWO_PASS):
             key = label(config)
             got = call(config)
             if not (torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
@@ -106,8 +108,8 @@ def main(argv=None) -> int:
         print(format_table([{k: v for k, v in row.items() if not k.endswith("_share")}]),
               flush=True)
     payload = {"benchmark": "quant_rows", "copy_bytes_per_s": copy_rate, "rows": out_rows,
-               "default": {n: label(quant_triton.launch_config(k)) for n, (_, k, _) in
-                           shapes(rows, hidden, inter).items()},
+               "default": {n: label(quant_triton.launch_config(k, rows, form == "silu"))
+                           for n, (_, k, form) in shapes(rows, hidden, inter).items()},
                "errors": errors}
     path = write_json("quant_rows_smoke" if args.smoke else "quant_rows", payload,
                       Path(args.out) if args.out else None)

@@ -684,6 +684,19 @@ ONE_PASS_SCRIPT = textwrap.dedent("""
     launches.clear()
     forms[0](None)
     assert launches == [(False, 32)], launches
+    # long steps of rows that are not a power of two: two passes of TWO_PASS_BLOCK_K (7
+    # rows here, so the 5 gathered ones and the SiLU rows keep the one pass), same bits
+    quant_triton.ONE_PASS_MAX_K, quant_triton.TWO_PASS_ROWS = 8192, 7
+    quant_triton.TWO_PASS_BLOCK_K = 64
+    launches.clear()
+    got = [form(112.0) for form in forms]
+    assert launches == [(False, 64), (True, 128), (True, 128)], launches
+    quant_triton.TWO_PASS_ROWS = 0
+    for (got_q, got_s), form in zip(got, forms):
+        want_q, want_s = form(112.0)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(got_s, want_s)
+    assert launches[3:] == [(True, 128)] * 3, launches
     print("ok")
 """)
 
@@ -693,6 +706,28 @@ def test_one_pass_quantization_gives_the_two_pass_bits_in_interpreter():
     form's bytes and scales in every form (plain, capped, gathered and scaled, SiLU
     product), with masked lanes and the amax floor; rows past ONE_PASS_MAX_K keep two."""
     run_in_interpreter(ONE_PASS_SCRIPT)
+
+
+def test_quantization_launch_choice_by_step_length(monkeypatch):
+    """quant_triton.launch_config: two 1024-wide passes at 4 warps from TWO_PASS_ROWS rows
+    of a length that is no power of two (Scout's 5120); one pass below it, for SiLU rows
+    and for powers of two; TWO_PASS_ROWS = 0 never; a bad variable names itself."""
+    pytest.importorskip("triton")
+    from chunklocal.models import quant_triton
+
+    choose = quant_triton.launch_config
+    assert quant_triton.TWO_PASS_ROWS == 2048
+    assert choose(5120, 2048) == choose(5120, 8192) == (False, 1024, 4)
+    assert choose(5120, 2047) == choose(5120, 1) == (True, 8192, 16)
+    assert choose(5120, 8192, silu_mul=True) == (True, 8192, 16)
+    assert choose(8192, 8192) == (True, 8192, 16)  # a power of two: no masked lanes
+    assert choose(1000, 8192) == (True, 1024, 4)   # fits one load already
+    monkeypatch.setattr(quant_triton, "TWO_PASS_ROWS", 0)
+    assert choose(5120, 8192) == (True, 8192, 16)
+    env = dict(os.environ, CHUNKLOCAL_FP8_QUANT_TWO_PASS_ROWS="-1")
+    run = subprocess.run([sys.executable, "-c", "import chunklocal.models.quant_triton"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert "CHUNKLOCAL_FP8_QUANT_TWO_PASS_ROWS='-1': expected a whole number" in run.stderr
 
 
 def test_fp8_quantization_kernel_in_interpreter():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import operator
+import os
 
 import numpy as np
 
@@ -114,3 +115,12 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def env_count(name: str, default: str, unit: str) -> int:
+    """Environment variable ``name`` (``default`` when unset) as a whole number of
+    ``unit``: anything else is a ValueError naming the variable and its value."""
+    value = os.environ.get(name, default)
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r}: expected a whole number of {unit}")
+    return int(value)

@@ -36,6 +36,7 @@ import os
 import torch
 from torch import nn
 
+from chunklocal._validate import env_count
 from chunklocal.models.quant_triton import available, pdl_args, triton
 
 if triton is not None:
@@ -55,14 +56,7 @@ GEMV_ENABLED = os.environ.get("CHUNKLOCAL_FP8_GEMV", "1") == "1"
 #: 4 rows a pass, one accumulator each, and lost to the split-K kernel on the H100 at 2
 #: rows (1.12x a 12-layer step) and 4 (1.69x): each row's bytes loaded as a full tile
 #: (BENCHMARKS.md, twenty-second session).
-def _env_rows(name: str, default: str) -> int:
-    value = os.environ.get(name, default)
-    if not value.isdigit():
-        raise ValueError(f"{name}={value!r}: expected a whole number of rows")
-    return int(value)
-
-
-MAX_ROWS = _env_rows("CHUNKLOCAL_FP8_GEMV_MAX_ROWS", "1")
+MAX_ROWS = env_count("CHUNKLOCAL_FP8_GEMV_MAX_ROWS", "1", "rows")
 #: ``(block_n, block_k, num_warps)``: the accumulator holds ``block_n x block_k`` float32
 #: values, 64 a thread.  Within 5% of the fastest of 12 tiles on each of Scout's four FP8
 #: shapes at one row (H100, ``benchmarks/fp8_small_m.py --gemv-tune 1``).

@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from chunklocal._validate import env_count
+
 try:
     import triton
     import triton.language as tl
@@ -70,6 +72,17 @@ MAX_BLOCK_K = 2048  # elements of a row per load (a Scout row of 5120: three loa
 #: re-read"); ``CHUNKLOCAL_FP8_QUANT_ONE_PASS=0`` turns it off (``switch_ab --switches quant1``).
 ONE_PASS_ENABLED = os.environ.get("CHUNKLOCAL_FP8_QUANT_ONE_PASS", "1") == "1"
 ONE_PASS_MAX_K = 8192
+#: Steps of at least this many rows quantize rows whose length is not a power of two
+#: (Scout's hidden size, 5120) in two passes of 1024-wide loads at 4 warps, where the one
+#: pass held each row in a block of the next power of two (8192 lanes, 37.5% of them
+#: masked, 16 warps a row): ``benchmarks/quant_rows.py`` on an H100 at 8,192 rows of 5120
+#: took 49.4 us against 96.7 (the shared expert's input) and 52.0 against 104.5 (the
+#: routed rows, gathered), the floor 41.4 us at the copy rate, the same bits (thirty-third
+#: session, BENCHMARKS.md).  ``silu(gate) * up`` rows (8192 of 16384) stay in one pass:
+#: 112.3 us there against 154-202 in two.  Decode steps keep the one pass that measured
+#: faster at batch 1.  ``CHUNKLOCAL_FP8_QUANT_TWO_PASS_ROWS``; 0: never.
+TWO_PASS_ROWS = env_count("CHUNKLOCAL_FP8_QUANT_TWO_PASS_ROWS", "2048", "rows")
+TWO_PASS_BLOCK_K, TWO_PASS_WARPS = 1024, 4
 
 
 #: Programmatic dependent launch (sm_90 and later) for the Triton kernels of a decode step
@@ -234,11 +247,17 @@ def silu_mul_quantize(gate_up: torch.Tensor, scale_ub: float | None = None, *,
                      config=config)
 
 
-def launch_config(k_dim: int) -> tuple[bool, int, int]:
-    """The quantization kernel's (one pass, ``BLOCK_K``, warps) for rows of ``k_dim``:
-    one pass where :data:`ONE_PASS_ENABLED` and the row fits :data:`ONE_PASS_MAX_K` (the
-    block then covers the row), else loads of at most :data:`MAX_BLOCK_K`; warps by block
-    size.  ``benchmarks/quant_rows.py`` times the alternatives at prefill sizes."""
+def launch_config(k_dim: int, num_rows: int = 1, silu_mul: bool = False
+                  ) -> tuple[bool, int, int]:
+    """The quantization kernel's (one pass, ``BLOCK_K``, warps) for ``num_rows`` rows of
+    ``k_dim`` values: two 1024-wide passes at 4 warps for long steps of rows whose length
+    is not a power of two (:data:`TWO_PASS_ROWS`); else one pass where
+    :data:`ONE_PASS_ENABLED` and the row fits :data:`ONE_PASS_MAX_K` (the block then
+    covers the row), or loads of at most :data:`MAX_BLOCK_K`; warps by block size.
+    ``benchmarks/quant_rows.py`` times the alternatives at prefill sizes."""
+    if (TWO_PASS_ROWS and num_rows >= TWO_PASS_ROWS and not silu_mul
+            and k_dim > TWO_PASS_BLOCK_K and k_dim & (k_dim - 1)):
+        return False, TWO_PASS_BLOCK_K, TWO_PASS_WARPS
     one_pass = ONE_PASS_ENABLED and k_dim <= ONE_PASS_MAX_K
     block_k = triton.next_power_of_2(k_dim)
     if not one_pass:
@@ -255,7 +274,8 @@ def _quantize(x, num_rows: int, k_dim: int, scale_ub, rows, row_scale, *, silu_m
     q = torch.empty(num_rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     if num_rows:
-        one_pass, block_k, warps = launch_config(k_dim) if config is None else config
+        one_pass, block_k, warps = (launch_config(k_dim, num_rows, silu_mul) if config is None
+                                    else config)
         if one_pass and block_k < k_dim:
             raise ValueError(f"a one-pass BLOCK_K of {block_k} cannot hold rows of {k_dim}")
         gather = rows is not None
