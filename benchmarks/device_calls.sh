@@ -100,6 +100,8 @@ variant_env() {  # variant_env NAME[+NAME...]: export a prefill variant's switch
              fastx) export CHUNKLOCAL_FP8_FAST_ACCUM=experts ;;  # unpromoted FP8 partial
              fast) export CHUNKLOCAL_FP8_FAST_ACCUM=1 ;;         # sums: experts; all GEMMs
              promoted) export CHUNKLOCAL_FP8_FAST_ACCUM=0 ;;     # (the default since s32)
+             onepass) export CHUNKLOCAL_FP8_QUANT_TWO_PASS_ROWS=0 ;;  # prefill rows of 5120
+               # in one pass, as before the 33rd session (the two 1024-wide passes: default)
              quant2) export CHUNKLOCAL_FP8_QUANT_ONE_PASS=0 ;;  # the quantization's two-pass
                # form (smaller blocks, more programs a multiprocessor), measured at batch 1 only
              defaults) ;;
