@@ -275,7 +275,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
     left=$(( ${CALL_S:-330} - $(date +%s) + t0 ))
     if [ "$left" -ge 60 ]; then verify_tests "$left"; else say "no time for verify's tests"; fi ;;
   quantrows)  # the quantization kernel's launch choices at prefill sizes (8,192 rows)
-    bench 200 quant_rows benchmarks.quant_rows --out "$OUT" ;;
+    bench 200 quant_rows benchmarks.quant_rows --rows 256 1024 2048 8192 --out "$OUT" ;;
   suite)
     pt 540 tests/gpu --ignore=tests/gpu/test_engine_gpu.py --ignore=tests/gpu/test_piecewise_gpu.py \
       --ignore=tests/gpu/test_memory_gpu.py --ignore=tests/gpu/test_pdl_gpu.py ;;

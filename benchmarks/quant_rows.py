@@ -10,7 +10,7 @@ beside the alternatives (one pass at other warp counts; two passes at other bloc
 captured in a CUDA graph of ``REPLAYS`` launches, every output checked bit for bit against
 the default's.  Floor: bytes read and written at the copy rate measured in the same run.
 
-    python -m benchmarks.quant_rows --out OUT [--rows 8192] [--smoke]
+    python -m benchmarks.quant_rows --out OUT [--rows 256 2048 8192] [--smoke]
 
 ``--smoke`` runs tiny shapes (Triton's interpreter on the CPU: ``TRITON_INTERPRET=1``).
 """
@@ -59,16 +59,13 @@ def label(config: tuple[bool, int, int]) -> str:
     return f"{'one' if one_pass else 'two'}_b{block}_w{warps}"
 
 
-def main(argv=None) -> int:
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=8192, help="tokens a step")
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.smoke
+def measure(rows: int, hidden: int, inter: int, copy_rate, two_pass, errors: list,
+            gen) -> list[dict]:
+    """Each shape at ``rows`` rows: every launch choice's bits against the default's (a
+    mismatch goes to ``errors``) and, on CUDA, its time in a graph of ``REPLAYS``."""
+    cuda = copy_rate is not None
     device = "cuda" if cuda else "cpu"
-    rows, hidden, inter = (args.rows, 5120, 8192) if not args.smoke else (3, 96, 64)
-    copy_rate = measure_copy_bytes_per_s(device) if cuda else None
-    gen = torch.Generator(device=device).manual_seed(0)
-    out_rows, errors = [], []
+    out = []
     for name, (width, k_dim, form) in shapes(rows, hidden, inter).items():
         x = torch.randn(rows, width, generator=gen, device=device).to(torch.bfloat16)
         perm = torch.randperm(rows, generator=gen, device=device)
@@ -82,17 +79,18 @@ def main(argv=None) -> int:
             return quant_triton.quantize_rows(x, config=config)
 
         moved = rows * (width * 2 + k_dim + 4) + (rows * 10 if form == "gather" else 0)
-        row = {"shape": name, "rows": rows, "k": k_dim, "bytes": moved}
-        if copy_rate:
+        default = quant_triton.launch_config(k_dim, rows, form == "silu")
+        row = {"shape": name, "rows": rows, "k": k_dim, "bytes": moved,
+               "default": label(default)}
+        if cuda:
             row["floor_us"] = moved / copy_rate * 1e6
         want = call(None)
-        for config in configs(k_dim, rows, form == "silu",
-                              SMOKE_TWO_PASS if args.smoke else TWO_PASS):
+        for config in configs(k_dim, rows, form == "silu", two_pass):
             key = label(config)
             got = call(config)
             if not (torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
                     and torch.equal(got[1], want[1])):
-                errors.append(f"{name} {key}: not the default's bits")
+                errors.append(f"{name} {rows} rows {key}: not the default's bits")
                 continue
             if not cuda:
                 row[f"{key}_us"] = None
@@ -104,12 +102,28 @@ def main(argv=None) -> int:
             us = cuda_time_ms(graph.replay, repeats=20)["median"] * 1e3 / REPLAYS
             row[f"{key}_us"] = us
             row[f"{key}_share"] = row["floor_us"] / us
-        out_rows.append(row)
+        out.append(row)
         print(format_table([{k: v for k, v in row.items() if not k.endswith("_share")}]),
               flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8192],
+                        help="tokens a step, one measurement each (decode batches to prefill "
+                        "chunks: where the default's choice changes, TWO_PASS_ROWS)")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    hidden, inter = (5120, 8192) if not args.smoke else (96, 64)
+    copy_rate = measure_copy_bytes_per_s("cuda") if cuda else None
+    gen = torch.Generator(device="cuda" if cuda else "cpu").manual_seed(0)
+    out_rows: list[dict] = []
+    errors: list[str] = []
+    for rows in ([3] if args.smoke else args.rows):
+        out_rows += measure(rows, hidden, inter, copy_rate,
+                            SMOKE_TWO_PASS if args.smoke else TWO_PASS, errors, gen)
     payload = {"benchmark": "quant_rows", "copy_bytes_per_s": copy_rate, "rows": out_rows,
-               "default": {n: label(quant_triton.launch_config(k, rows, form == "silu"))
-                           for n, (_, k, form) in shapes(rows, hidden, inter).items()},
                "errors": errors}
     path = write_json("quant_rows_smoke" if args.smoke else "quant_rows", payload,
                       Path(args.out) if args.out else None)
