@@ -126,6 +126,10 @@ verify_tests() {  # verify_tests LIMIT_S: the defaults' GPU paths (attention: ow
   pt "$1" tests/gpu/test_flashinfer.py tests/gpu/test_engine_gpu.py tests/gpu/test_memory_gpu.py \
     tests/gpu/test_piecewise_gpu.py tests/gpu/test_norm_triton_gpu.py
 }
+accumulation_tests() {  # torch's FP8 GEMMs in both accumulation forms (the `accumulation`
+  # fixture); -s: the printed error ratios
+  pt 90 tests/gpu/test_fp8_gpu.py -s -k "fast_accum_error or scaled_mm_equals or scaled_grouped_mm_equals"
+}
 oracle_tests() {  # oracle_tests VARIANT LIMIT_S: the FP8 oracle tests (a model trained in
   # the process) with a prefill variant's switches
   ( variant_env "$1" || exit
@@ -259,9 +263,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
   checks)  # one call for a session with little device time: the defaults' GPU tests (as
     # verify's), then the FP8 oracle tests with both prefill switches still off turned on
     verify_tests 330
-    # torch's FP8 GEMMs in both accumulation forms (the `accumulation` fixture); -s: the
-    # printed error ratios
-    pt 90 tests/gpu/test_fp8_gpu.py -s -k "fast_accum_error or scaled_mm_equals or scaled_grouped_mm_equals"
+    accumulation_tests
     left=$(( 545 - $(date +%s) + t0 ))
     if [ "$left" -ge 100 ]; then bench 150 quant_rows benchmarks.quant_rows --out "$OUT"
     else say "no time for quant_rows"; fi
@@ -270,7 +272,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
     else say "no time for the oracle tests"; fi ;;
   fastchecks)  # a short call (CALL_S seconds, 330 by default): torch's FP8 GEMMs in both
     # accumulation forms, quant_rows, then verify's tests in what is left
-    pt 90 tests/gpu/test_fp8_gpu.py -s -k "fast_accum_error or scaled_mm_equals or scaled_grouped_mm_equals"
+    accumulation_tests
     bench 150 quant_rows benchmarks.quant_rows --out "$OUT"
     left=$(( ${CALL_S:-330} - $(date +%s) + t0 ))
     if [ "$left" -ge 60 ]; then verify_tests "$left"; else say "no time for verify's tests"; fi ;;

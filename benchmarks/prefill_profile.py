@@ -124,11 +124,15 @@ def floor_seconds(split: dict, rates: dict) -> float:
             + (split["bf16"] + split["attention"]) / rates["bf16_flops_per_s"])
 
 
+def random_prompt(llm, prompt_len: int, seed: int) -> list[int]:
+    """``prompt_len`` token ids drawn from the model's vocabulary, seeded by ``seed``."""
+    return np.random.default_rng(seed).integers(0, llm.config.vocab_size,
+                                                prompt_len).tolist()
+
+
 def prefill_once(llm, prompt_len: int, seq_id: int, steps: int | None = None) -> int:
     """A random ``prompt_len`` prompt (seeded by ``seq_id``) through ``run_prompt``."""
-    prompt = np.random.default_rng(seq_id).integers(0, llm.config.vocab_size,
-                                                    prompt_len).tolist()
-    return run_prompt(llm, seq_id, prompt, steps)
+    return run_prompt(llm, seq_id, random_prompt(llm, prompt_len, seq_id), steps)
 
 
 def prefill_through_loop(llm, prompt_len: int, seed: int) -> tuple[float, int]:
@@ -136,8 +140,7 @@ def prefill_through_loop(llm, prompt_len: int, seed: int) -> tuple[float, int]:
     out): the engine core's loop, which with ``async_scheduling`` (on by default at one
     rank) builds step n+1's inputs and plans while the device runs step n, where
     ``run_prompt`` waits for each step's token first; and the steps it took."""
-    prompt = np.random.default_rng(seed).integers(0, llm.config.vocab_size,
-                                                  prompt_len).tolist()
+    prompt = random_prompt(llm, prompt_len, seed)
     start = time.perf_counter()
     llm.generate([prompt], max_new_tokens=1, ignore_eos=True, use_tqdm=False)
     seconds = time.perf_counter() - start

@@ -37,8 +37,8 @@ TWO_PASS = ((1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8))
 SMOKE_TWO_PASS = ((32, 4), (64, 4))  # --smoke's rows are 64-128 wide
 
 
-def shapes(rows: int, hidden: int, inter: int) -> dict:
-    """Name -> (input width, output width, the call given a config)."""
+def shapes(hidden: int, inter: int) -> dict:
+    """Name -> (input width, output width, which call quantizes it)."""
     return {"input": (hidden, hidden, "rows"), "gather": (hidden, hidden, "gather"),
             "silu": (2 * inter, inter, "silu")}
 
@@ -47,7 +47,7 @@ def configs(k_dim: int, rows: int, silu: bool, two_pass=TWO_PASS
             ) -> list[tuple[bool, int, int]]:
     """The default first, then every one-pass warp count (where a block holds the row)
     and the two-pass blocks narrower than the row."""
-    block = 1 << (k_dim - 1).bit_length()
+    block = quant_triton.triton.next_power_of_2(k_dim)
     choices = [quant_triton.launch_config(k_dim, rows, silu)]
     choices += [(True, block, w) for w in ONE_PASS_WARPS]
     choices += [(False, b, w) for b, w in two_pass if b < k_dim]
@@ -66,7 +66,7 @@ def measure(rows: int, hidden: int, inter: int, copy_rate, two_pass, errors: lis
     cuda = copy_rate is not None
     device = "cuda" if cuda else "cpu"
     out = []
-    for name, (width, k_dim, form) in shapes(rows, hidden, inter).items():
+    for name, (width, k_dim, form) in shapes(hidden, inter).items():
         x = torch.randn(rows, width, generator=gen, device=device).to(torch.bfloat16)
         perm = torch.randperm(rows, generator=gen, device=device)
         score = torch.rand(rows, generator=gen, device=device).to(torch.bfloat16)

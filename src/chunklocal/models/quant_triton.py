@@ -274,10 +274,11 @@ def _quantize(x, num_rows: int, k_dim: int, scale_ub, rows, row_scale, *, silu_m
     q = torch.empty(num_rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     if num_rows:
-        one_pass, block_k, warps = (launch_config(k_dim, num_rows, silu_mul) if config is None
-                                    else config)
-        if one_pass and block_k < k_dim:
-            raise ValueError(f"a one-pass BLOCK_K of {block_k} cannot hold rows of {k_dim}")
+        if config is None:
+            config = launch_config(k_dim, num_rows, silu_mul)
+        elif config[0] and config[1] < k_dim:  # launch_config's own choices always fit
+            raise ValueError(f"a one-pass BLOCK_K of {config[1]} cannot hold rows of {k_dim}")
+        one_pass, block_k, warps = config
         gather = rows is not None
         _quantize_rows_kernel[(num_rows,)](
             x, q, scale, rows if gather else x, row_scale if gather else x, k_dim,
