@@ -18,6 +18,8 @@
 #   bash benchmarks/device_calls.sh earlier  # rope forms; gathered vs paged earlier keys, alternated;
 #                                            # memory and engine tests with them on
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
+#   bash benchmarks/device_calls.sh targets  # one H200 call: the batch-1 step (defaults, router)
+#                                            # and the 8k/32k prefill (defaults, onepass), twice
 #   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
 #   bash benchmarks/device_calls.sh verify   # the defaults' paths: attention, engine, memory,
@@ -247,6 +249,29 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
             --kv-cache-dtype fp8 --batches 1 --new 64 --rounds 2 --out "$OUT/tpot_${v}_$round" )
       done
     done ;;
+  targets)  # one H200 call for issues 19 and 20's targets at full size: the async batch-1
+    # step (defaults, then the in-kernel router), the 8k/32k prefill (defaults, then the
+    # one-pass quantization, as before the 33rd session), then each again while time is left;
+    # one log (targets.log) and one JSON archive: a call brings back at most 8 files
+    for round in 1 2; do
+      for v in tpot_defaults tpot_router prefill_defaults prefill_onepass; do
+        left=$(( 530 - $(date +%s) + t0 ))
+        if [ "$left" -lt 90 ]; then say "no time for $v round $round"; continue; fi
+        case $v in
+          tpot_*) ( [ "$v" = tpot_router ] && export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1
+                    echo "== $v round $round" >> "$OUT/targets.log"
+                    bench $(( left < 110 ? left : 110 )) targets benchmarks.overlap_decode \
+                      --model $tmodel --kv-cache-dtype fp8 --batches 1 --new 64 --rounds 2 \
+                      --out "/tmp/pj/${v}_$round" ) ;;
+          prefill_*) ( variant_env "${v#prefill_}" || exit
+                       echo "== $v round $round" >> "$OUT/targets.log"
+                       # shellcheck disable=SC2086
+                       bench $(( left < 150 ? left : 150 )) targets benchmarks.prefill_profile \
+                         --prompts 8192 32768 $pmodel --profile-steps 1 --out "/tmp/pj/${v}_$round" ) ;;
+        esac
+      done
+    done
+    tar czf "$OUT/prefill_json.tgz" -C /tmp pj 2>/dev/null ;;
   tune)
     bench 540 gemv_tune benchmarks.fp8_small_m --rows 1 --gemv-tune 1 2 16 --out "$OUT/tune" ;;
   stress)
@@ -319,7 +344,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       bench 150 "splitkv_$len" benchmarks.cuda_graphs --batch-sizes 1 8 64 --min-context 1024 \
         --max-context 1024 --max-model-len $len --out "$OUT/splitkv_$len"
     done ;;
-  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, oracle, verify, checks, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens, quantrows, serve, fastchecks)"; exit 2 ;;
+  *) echo "unknown call: $1 (ab, ab2, combo, replan, ownkeys, vecrank, oracle, verify, checks, earlier, tpot, tune, stress, suite, sanitize, ragged, splitkv, quick, tokens, quantrows, serve, fastchecks, targets)"; exit 2 ;;
 esac
 # a call brings back at most 8 files: `earlier` leaves the kernels (the AOT ones suffice)
 [ "${1:-ab}" = earlier ] || tar czf - -C .fi-cache . | split -b 15M - "$OUT/fi-cache.tgz.part"
