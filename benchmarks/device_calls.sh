@@ -18,7 +18,7 @@
 #   bash benchmarks/device_calls.sh earlier  # rope forms; gathered vs paged earlier keys, alternated;
 #                                            # memory and engine tests with them on
 #   bash benchmarks/device_calls.sh tpot     # the async batch-1 step: defaults, router, gemv16
-#   bash benchmarks/device_calls.sh targets  # one H200 call: the batch-1 step (defaults, router)
+#   bash benchmarks/device_calls.sh targets  # one H200 call: the batch-1 step (defaults, gemv16)
 #                                            # and the 8k/32k prefill (defaults, onepass), twice
 #   bash benchmarks/device_calls.sh tune     # every GEMV tile (the tensor-core form's too) at 1, 2, 16 rows
 #   bash benchmarks/device_calls.sh stress   # issue 20: FA2/FA3 stress (500 batches, 50 reporter reps)
@@ -235,10 +235,11 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       pt "$left" tests/gpu/test_memory_gpu.py tests/gpu/test_engine_gpu.py \
         -k "memory or profile or tokens or reporter or logits" ) ;;
   tpot)  # issue 19's target, the async-scheduled batch-1 step: the defaults, the in-kernel
-    # router, the 16-bit GEMV (q/k/v, o_proj and the LM head, which runs outside the graph),
-    # one process each, alternated twice
+    # router (on by default since the 28th session: `norouter` is its A/B), the 16-bit GEMV
+    # (q/k/v, o_proj and the LM head, which runs outside the graph), one process each,
+    # alternated twice
     for round in 1 2; do
-      for v in ${TPOT_VARIANTS:-defaults router gemv16}; do
+      for v in ${TPOT_VARIANTS:-defaults norouter gemv16}; do
         left=$(( 545 - $(date +%s) + t0 ))
         if [ "$left" -lt 100 ]; then say "no time for $v round $round"; continue; fi
         ( case $v in router) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 ;;
@@ -250,15 +251,16 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       done
     done ;;
   targets)  # one H200 call for issues 19 and 20's targets at full size: the async batch-1
-    # step (defaults, then the in-kernel router), the 8k/32k prefill (defaults, then the
+    # step (defaults, then the 16-bit GEMV for the bf16 projections and the LM head, which
+    # runs outside the graph: only the async step sees it), the 8k/32k prefill (defaults, then the
     # one-pass quantization, as before the 33rd session), then each again while time is left;
     # one log (targets.log) and one JSON archive: a call brings back at most 8 files
     for round in 1 2; do
-      for v in tpot_defaults tpot_router prefill_defaults prefill_onepass; do
+      for v in tpot_defaults tpot_gemv16 prefill_defaults prefill_onepass; do
         left=$(( 530 - $(date +%s) + t0 ))
         if [ "$left" -lt 90 ]; then say "no time for $v round $round"; continue; fi
         case $v in
-          tpot_*) ( [ "$v" = tpot_router ] && export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1
+          tpot_*) ( [ "$v" = tpot_gemv16 ] && export CHUNKLOCAL_GEMV_LINEAR=1
                     echo "== $v round $round" >> "$OUT/targets.log"
                     bench $(( left < 110 ? left : 110 )) targets benchmarks.overlap_decode \
                       --model $tmodel --kv-cache-dtype fp8 --batches 1 --new 64 --rounds 2 \
