@@ -86,7 +86,7 @@ def simulate(*, max_num_seqs: int, mnbt: int, cost: str, table: np.ndarray,
                 send()
         steps += 1
     return {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": mnbt, "cost": cost,
-            "output_tokens": output, "seconds": round(total_ms / 1e3, 2),
+            "output_tokens": output, "seconds": total_ms / 1e3,
             "output_tok_s": round(output / total_ms * 1e3), "steps": steps,
             "preemptions": scheduler.num_preemptions}
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         print(row, flush=True)
     print(format_table(rows, ["scale", "cost", "max_num_seqs", "max_num_batched_tokens",
                               "output_tok_s", "seconds", "steps", "preemptions"]))
-    path = write_json("serve_sim", {"args": vars(args), "rows": rows}, args.out)
+    path = write_json("serve_sim", {"args": vars(args), "rows": rows, "errors": []}, args.out)
     print(f"wrote {path}")
     return 0
 

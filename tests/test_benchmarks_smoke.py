@@ -1450,3 +1450,30 @@ def test_serve_make_dummy_writes_a_moe_geometry_and_refuses_unknown_names(tmp_pa
     err = capsys.readouterr().err
     assert "--make-dummy scout5" in err and "scout4" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_serve_sim_accounts_steps_in_closed_form(tmp_path):
+    """benchmarks.serve_sim: one request's time is its prefill step plus one decode step a
+    new token after the first (which the prefill step samples); a pool too small for every
+    request at once preempts and still delivers every token; the script writes its JSON."""
+    from benchmarks import serve_sim
+
+    table = np.array([[0.0, 0.0], [1.0, 2.0], [8.0, 4.0]])
+    one = serve_sim.simulate(max_num_seqs=1, mnbt=64, cost="add", table=table,
+                             ms_per_token=0.5, clients=1, requests=1, prompt_tokens=32,
+                             max_tokens=16, pool_tokens=64)
+    assert one["output_tokens"] == 16 and one["steps"] == 16
+    assert one["seconds"] == pytest.approx((32 * 0.5 + 15 * 2.0) / 1e3)
+    # roofline: the prompt rides along at the table's price up to RIDE_ALONG_ROWS, but the
+    # compute term (0.5 ms a row) is larger here
+    roof = serve_sim.simulate(max_num_seqs=1, mnbt=64, cost="roofline", table=table,
+                              ms_per_token=0.5, clients=1, requests=1, prompt_tokens=32,
+                              max_tokens=16, pool_tokens=64)
+    assert roof["seconds"] == pytest.approx((32 * 0.5 + 15 * 2.0) / 1e3)
+    crowded = serve_sim.simulate(max_num_seqs=8, mnbt=64, cost="add", table=table,
+                                 ms_per_token=0.5, clients=8, requests=12, prompt_tokens=32,
+                                 max_tokens=16, pool_tokens=320)
+    assert crowded["output_tokens"] == 12 * 16 and crowded["preemptions"] > 0
+    assert serve_sim.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = _load(tmp_path / "serve_sim.json")
+    assert len(data["rows"]) == 4
