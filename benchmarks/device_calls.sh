@@ -331,12 +331,16 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
   serve)  # issue 24: full-size Scout FP8, 1k prompts / 1k new tokens through the server,
     # 256 clients (an H200: the weights are 105 GiB).  SERVE_MAX_SEQS caps the requests in
     # flight (256 x 2048 tokens overfill the KV pool's 313k a group, so the twentieth
-    # session's run preempted); SERVE_REQUESTS: three waves by default, so the steady state
-    # outweighs the ramp and the tail
+    # session's run preempted); SERVE_MNBT: steps of 2048 tokens (a smaller activation
+    # reserve, so a larger KV pool, and prompt pieces beside the decodes).  224 and 2048
+    # are benchmarks/serve_sim.py's best on the twentieth session's step times (BENCHMARKS.md,
+    # within the model's own 5%); SERVE_REQUESTS: three waves by default, so the steady
+    # state outweighs the ramp and the tail
     if [ "$big" != 1 ]; then say "serve needs an H200"; exit 0; fi
     timeout 560 python3 -m benchmarks.serve --make-scout-fp8 /tmp/sfp8 --launch /tmp/sfp8 \
       --routing balanced --serve-args "--load-format dummy --kv-cache-dtype fp8 \
-      --gpu-memory-utilization 0.97 --max-model-len 2304 --max-num-seqs ${SERVE_MAX_SEQS:-256}" \
+      --gpu-memory-utilization 0.97 --max-model-len 2304 --max-num-seqs ${SERVE_MAX_SEQS:-224} \
+      --max-num-batched-tokens ${SERVE_MNBT:-2048}" \
       --clients 256 --requests "${SERVE_REQUESTS:-768}" --duration 330 --timeout 420 \
       --prompt-tokens 1024 --max-tokens 1024 --max-token-id 100000 --verify 0 --progress 10 \
       --server-log "$OUT/server.log" --out "$OUT" 2>&1 | tail -40
