@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import base_parser, format_table, write_json
+from benchmarks.host_step import sampled_without_model
 from chunklocal.engine.block_manager import BlockManager, KVGroup
 from chunklocal.engine.sampling import SamplingParams
 from chunklocal.engine.scheduler import Scheduler
@@ -77,9 +78,7 @@ def simulate(*, max_num_seqs: int, mnbt: int, cost: str, table: np.ndarray,
         decodes = sum(1 for seq, n in zip(batch.seqs, batch.num_new, strict=True)
                       if n == 1 and seq.num_computed >= seq.num_prompt_tokens)
         total_ms += step_ms(cost, table, decodes, batch.num_tokens - decodes, ms_per_token)
-        sampled = [np.array([1]) if seq.num_computed + n >= len(seq.token_ids)
-                   else np.zeros(0, dtype=np.int64)
-                   for seq, n in zip(batch.seqs, batch.num_new, strict=True)]
+        sampled = sampled_without_model(batch)
         output += sum(len(s) for s in sampled)
         for _ in scheduler.postprocess(batch, sampled, frozenset()):
             if sent < requests:
