@@ -109,16 +109,30 @@ variant_env() {  # variant_env NAME[+NAME...]: export a prefill variant's switch
              defaults) ;;
              *) echo "unknown variant: $1"; return 1 ;; esac
 }
+prefill_run() {  # prefill_run VARIANT LIMIT_S LOG OUT_DIR: the 8k and 32k prefill in one
+  # process with a prefill variant's switches (variant_env)
+  ( variant_env "$1" || exit
+    # shellcheck disable=SC2086
+    bench "$2" "$3" benchmarks.prefill_profile --prompts 8192 32768 $pmodel --profile-steps 1 \
+      --out "$4" )
+}
+tpot_run() {  # tpot_run VARIANT LIMIT_S LOG OUT_DIR [ARGS...]: issue 19's async-scheduled
+  # batch-1 step (benchmarks.overlap_decode) in one process with a batch-1 variant's switches
+  local variant=$1 limit=$2 log=$3 out=$4; shift 4
+  ( case $variant in router) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 ;;
+                     gemv16) export CHUNKLOCAL_GEMV_LINEAR=1 ;;
+                     norouter) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=0 ;;
+                     replan) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 CHUNKLOCAL_GRAPH_REPLAN=1 ;; esac
+    bench "$limit" "$log" benchmarks.overlap_decode --model $tmodel --kv-cache-dtype fp8 \
+      --batches 1 --new 64 --rounds 2 "$@" --out "$out" )
+}
 prefill_variants() {  # prefill_variants "VARIANTS": 8k and 32k prefill, one process a variant,
   # until 545 s into the call; one JSON archive (a call brings back at most 8 files)
   for variant in $1; do
     left=$(( 545 - $(date +%s) + t0 ))
     if [ "$left" -lt 60 ]; then say "no time for $variant"; continue; fi
-    ( variant_env "$variant" || exit
-      echo "== variant $variant" >> "$OUT/prefill.log"
-      # shellcheck disable=SC2086
-      bench $(( left < 150 ? left : 150 )) prefill benchmarks.prefill_profile \
-        --prompts 8192 32768 $pmodel --profile-steps 1 --out "/tmp/pj/prefill_$variant" )
+    echo "== variant $variant" >> "$OUT/prefill.log"
+    prefill_run "$variant" $(( left < 150 ? left : 150 )) prefill "/tmp/pj/prefill_$variant"
   done
   tar czf "$OUT/prefill_json.tgz" -C /tmp pj 2>/dev/null
 }
@@ -242,12 +256,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       for v in ${TPOT_VARIANTS:-defaults norouter gemv16}; do
         left=$(( 545 - $(date +%s) + t0 ))
         if [ "$left" -lt 100 ]; then say "no time for $v round $round"; continue; fi
-        ( case $v in router) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 ;;
-                     gemv16) export CHUNKLOCAL_GEMV_LINEAR=1 ;;
-                     norouter) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=0 ;;
-                     replan) export CHUNKLOCAL_MOE_ROUTER_IN_KERNEL=1 CHUNKLOCAL_GRAPH_REPLAN=1 ;; esac
-          bench $(( left < 110 ? left : 110 )) "tpot_${v}_$round" benchmarks.overlap_decode --model $tmodel \
-            --kv-cache-dtype fp8 --batches 1 --new 64 --rounds 2 --out "$OUT/tpot_${v}_$round" )
+        tpot_run "$v" $(( left < 110 ? left : 110 )) "tpot_${v}_$round" "$OUT/tpot_${v}_$round"
       done
     done ;;
   targets)  # one H200 call for issues 19 and 20's targets at full size: the async batch-1
@@ -259,17 +268,11 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
       for v in tpot_defaults tpot_gemv16 prefill_defaults prefill_onepass; do
         left=$(( 530 - $(date +%s) + t0 ))
         if [ "$left" -lt 90 ]; then say "no time for $v round $round"; continue; fi
+        echo "== $v round $round" >> "$OUT/targets.log"
         case $v in
-          tpot_*) ( [ "$v" = tpot_gemv16 ] && export CHUNKLOCAL_GEMV_LINEAR=1
-                    echo "== $v round $round" >> "$OUT/targets.log"
-                    bench $(( left < 110 ? left : 110 )) targets benchmarks.overlap_decode \
-                      --model $tmodel --kv-cache-dtype fp8 --batches 1 --new 64 --rounds 2 \
-                      --out "/tmp/pj/${v}_$round" ) ;;
-          prefill_*) ( variant_env "${v#prefill_}" || exit
-                       echo "== $v round $round" >> "$OUT/targets.log"
-                       # shellcheck disable=SC2086
-                       bench $(( left < 150 ? left : 150 )) targets benchmarks.prefill_profile \
-                         --prompts 8192 32768 $pmodel --profile-steps 1 --out "/tmp/pj/${v}_$round" ) ;;
+          tpot_*) tpot_run "${v#tpot_}" $(( left < 110 ? left : 110 )) targets "/tmp/pj/${v}_$round" ;;
+          prefill_*) prefill_run "${v#prefill_}" $(( left < 150 ? left : 150 )) targets \
+                       "/tmp/pj/${v}_$round" ;;
         esac
       done
     done
@@ -284,8 +287,7 @@ round(r['prefill_s'], 4), 'rope kernel ms/step', round(k.get('_rope_norm_kernel'
     # then issue 19's async batch-1 step with the defaults, profiled (kernel classes, idle)
     left=$(( 545 - $(date +%s) + t0 ))
     if [ "$left" -ge 120 ]; then
-      bench "$left" tpot_profile benchmarks.overlap_decode --model $tmodel --kv-cache-dtype fp8 \
-        --batches 1 --new 64 --rounds 2 --profile --out "$OUT/tpot_profile"
+      tpot_run defaults "$left" tpot_profile "$OUT/tpot_profile" --profile
     else say "no time for the profiled step"; fi ;;
   checks)  # one call for a session with little device time: the defaults' GPU tests (as
     # verify's), then the FP8 oracle tests with both prefill switches still off turned on
