@@ -154,9 +154,7 @@ def test_prefill_variants_are_known():
     assert {"defaults", "onepass", "all", "own0", "paged"} <= known, known
     lists = re.findall(r"(?:PREFILL_VARIANTS|VECRANK_VARIANTS|ORACLE_VARIANTS):-([^}]*)}", text)
     lists += re.findall(r'(?:oracle_tests|variant_env) "?([a-z0-9+]+)"? ', text)
-    lists += re.findall(r"prefill_\$\{?v#prefill_}?|for v in (tpot_\w+ [^;]*);", text)
-    used = {part for entry in lists for word in entry.split() for part in word.split("+")
-            if not word.startswith(("tpot_", "prefill_", "$"))}
+    used = {part for entry in lists for word in entry.split() for part in word.split("+")}
     targets = re.search(r"for v in (tpot_\w+ [^;]*);", text)
     assert targets, "the targets call's variant list"
     used |= {w.removeprefix("prefill_") for w in targets.group(1).split()
