@@ -15,7 +15,7 @@ The default table is the twentieth session's full-size figures (BENCHMARKS.md: 8
 1, 29.5 at 16, 35 at 64, 40.3 at 128, 51 at 256; 0.6 s for an 8,192-token prefill), the
 pool the 313k tokens a KV group held there.  ``--scale`` multiplies the decode table (what
 a faster decode step buys).  A model, not a measurement: against the twentieth session's
-run (384 requests, 256 clients, 3,133 output tok/s measured) ``add`` gives 2,919.
+run (384 requests, 256 clients, 3,133 output tok/s measured) ``add`` gives 2,916.
 
     python -m benchmarks.serve_sim [--max-num-seqs 152 200 256] [--mnbt 8192 2048]
         [--scale 1 0.75] [--cost add roofline] [--requests 768] [--out OUT]
